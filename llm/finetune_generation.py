@@ -1,0 +1,81 @@
+"""Fine-tune a causal LM from a JSON argument file (PaddleNLP's llm/finetune_generation.py habits).
+
+    python llm/finetune_generation.py llm/llama/sft_argument.json [--key value ...]
+    python -m paddle.distributed.launch --nproc_per_node 2 llm/finetune_generation.py llm/llama/sft_argument.json
+
+Steps, top to bottom: arguments -> process group -> checks of every input -> tokenizer ->
+datasets -> model -> PEFT -> Trainer.train() -> final eval. Bad input stops before anything is
+written to output_dir, with a message naming the file/key and the fix (exit code 2).
+"""
+import os
+import sys
+
+try:
+    import paddletune  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import paddletune  # noqa: F401
+
+from paddletune import parallel, runtime
+from paddletune.args import ArgumentError, parse_args
+from paddletune.data import DataError, build_datasets
+from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.tokenizer import load_tokenizer
+from paddletune.trainer import Trainer
+from paddletune.trainer.checkpoint import latest_checkpoint
+
+
+def prepare(argv=None):
+    """Everything that can fail on user input, before any work or any write."""
+    model_args, data_args, quant_args, gen_args, args = parse_args(argv, warn=lambda m: runtime.warn_once(m, m))
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    load_config(model_path)  # config.json readable and of a supported model type
+    tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
+    if args.resume_from_checkpoint is None and not args.overwrite_output_dir:
+        last = latest_checkpoint(args.output_dir)
+        if last is not None:  # PaddleNLP habit: continue an interrupted run in the same output_dir
+            runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)", last)
+            args.resume_from_checkpoint = last
+    if args.resume_from_checkpoint not in (None, "true") and not os.path.isdir(args.resume_from_checkpoint):
+        raise ArgumentError(f"resume_from_checkpoint={args.resume_from_checkpoint!r} is not a directory")
+    train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
+    if not args.do_train and not args.do_eval:
+        raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
+    return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
+
+
+def main(argv=None):
+    logger = runtime.setup_logging(int(os.environ.get("PADDLE_TRAINER_ID", "0")))
+    try:
+        (model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds,
+         dev_ds) = prepare(argv)
+    except (ArgumentError, DataError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    topo = parallel.init(args)
+    runtime.log_runtime()
+    runtime.set_device()
+    runtime.set_seed(args.seed)
+    if train_ds is not None:
+        logger.info("train: %d examples, %d tokens (%d target) from %s", len(train_ds),
+                    train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
+
+    model = load_model(model_path)
+    logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
+                model.config.num_hidden_layers, model.config.hidden_size)
+
+    trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok)
+    if args.do_train:
+        trainer.train()
+    if args.do_eval and dev_ds is not None:
+        metrics = trainer.evaluate()
+        if topo.is_main:
+            logger.info("eval: loss %.4f, ppl %.4f, accuracy %.4f", metrics["loss"], metrics["ppl"],
+                        metrics["accuracy"])
+    if args.do_train and topo.is_main:
+        print(f"model saved to {os.path.abspath(args.output_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

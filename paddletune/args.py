@@ -1,0 +1,446 @@
+"""Arguments: PaddleNLP's key names and defaults, typed dataclasses, one table of what each key does.
+
+    model_args, data_args, quant_args, gen_args, training_args = parse_args()
+    # argv: one positional .json file, then `--key value` (or --key=value) overrides
+
+Every key belongs to exactly one dataclass. Each field's metadata is its row in the table:
+  help    one line, printed by --help and in the README table
+  status  "implemented"  the key does what PaddleNLP's does
+          "no_effect"    accepted; a non-default value warns once that it has no effect here (why)
+          "refused"      a non-default value is an error naming the key and what to do (why)
+Value-dependent rules (e.g. fp16 on CPU, parallel degrees) live in `_check_values`.
+Unknown keys fail with the file, the key and the closest valid key; nothing is run before that.
+"""
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+class ArgumentError(ValueError):
+    """Bad user input: the message names the key, the source and the fix."""
+
+
+def F(default, help, status="implemented", why=None, choices=None):
+    meta = {"help": help, "status": status, "why": why, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+NOEFF_PARALLEL = "this launcher has no such switch; the setting is ignored"
+
+
+@dataclass
+class ModelArgument:
+    model_name_or_path: str = F(None, "local HF checkpoint directory (config.json, *.safetensors, tokenizer) or a built-in name: paddletune/tiny-llama, paddletune/tiny-qwen2, paddletune/tiny-chatglm2")
+    tokenizer_name_or_path: Optional[str] = F(None, "tokenizer directory when it differs from model_name_or_path")
+    use_flash_attention: bool = F(False, "GPU flash attention; on CPU the exact attention kernel is used (warned)")
+    use_fast_layer_norm: bool = F(False, "fused layer norm kernel (GPU only)", "no_effect", "no fused norm kernel is used")
+    fuse_attention_qkv: bool = F(False, "fuse q/k/v projections", "no_effect", "projections stay separate (HF layout)")
+    fuse_attention_ffn: bool = F(False, "fuse gate/up projections", "no_effect", "projections stay separate (HF layout)")
+    from_aistudio: bool = F(False, "load from AI Studio", "refused", "there are no downloads here; pass a local directory")
+    save_to_aistudio: bool = F(False, "upload to AI Studio", "refused", "there are no uploads here")
+    aistudio_repo_id: Optional[str] = F(None, "AI Studio repo id", "refused", "there are no uploads here")
+    aistudio_repo_private: bool = F(True, "AI Studio repo visibility", "no_effect", "there are no uploads here")
+    aistudio_repo_license: str = F("Apache License 2.0", "AI Studio repo license", "no_effect", "there are no uploads here")
+    aistudio_token: Optional[str] = F(None, "AI Studio token", "no_effect", "there are no uploads here")
+    # LoRA
+    lora: bool = F(False, "train LoRA adapters on the frozen model (HF-PEFT adapter format)")
+    lora_path: Optional[str] = F(None, "start from a saved LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
+    lora_rank: int = F(8, "LoRA rank r")
+    lora_alpha: int = F(-1, "LoRA alpha; -1 means 2 x lora_rank. Scale = alpha/r (alpha/sqrt(r) with rslora)")
+    lora_dropout: float = F(0.0, "dropout on the LoRA input")
+    lora_target_modules: Optional[List[str]] = F(None, "regexes over module names to wrap with LoRA; default: every decoder Linear (from the model's ModelSpec)")
+    rslora: bool = F(False, "rank-stabilised LoRA: scale alpha/sqrt(r)")
+    lora_plus_scale: float = F(1.0, "LoRA+: learning-rate multiplier for the B matrices")
+    pissa: bool = F(False, "PiSSA initialisation", "refused", "PiSSA is not implemented; use lora")
+    use_quick_lora: bool = F(False, "fused LoRA kernel", "no_effect", "no fused LoRA kernel; the exact path is used")
+    # Prefix tuning
+    prefix_tuning: bool = F(False, "train learned per-layer key/value prefixes on the frozen model")
+    prefix_path: Optional[str] = F(None, "start from a saved prefix directory")
+    num_prefix_tokens: int = F(128, "number of prefix tokens")
+    prefix_projection: bool = F(False, "reparameterise prefixes through a 2-layer MLP (merged away on save)")
+    prefix_projection_hidden_size: int = F(-1, "hidden size of the prefix MLP; -1 means the model's hidden size")
+    # Other PEFT methods
+    adapter: bool = F(False, "bottleneck adapters after attention and MLP (up-projection zero-init)")
+    adapter_size: int = F(64, "adapter bottleneck width")
+    lowrank_adapter: bool = F(False, "adapters whose projections are factorised low-rank")
+    lowrank_adapter_rank: int = F(4, "rank of the low-rank adapter factors")
+    bitfit: bool = F(False, "train biases only (zero-initialised biases are added where the model has none)")
+    rdrop: bool = F(False, "R-Drop: two dropout passes, loss = CE + rdrop_alpha x symmetric KL on target positions")
+    rdrop_alpha: float = F(1.0, "weight of the R-Drop KL term")
+    neftune: bool = F(False, "NEFTune: uniform noise on input embeddings during training")
+    neftune_noise_alpha: float = F(5.0, "NEFTune noise scale alpha (noise ~ U(-1,1) * alpha/sqrt(L*d))")
+    vera: bool = F(False, "VeRA adapters", "refused", "VeRA is not implemented; use lora")
+    lokr: bool = F(False, "LoKr adapters", "refused", "LoKr is not implemented; use lora")
+    continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "weights are always loaded from model_name_or_path")
+
+
+@dataclass
+class DataArgument:
+    dataset_name_or_path: str = F(None, "directory with train.json/dev.json (or train/*.json, dev/*.json) JSON lines {src, tgt} or {messages}, or the built-in paddletune/sample-sft")
+    task_name: Optional[str] = F(None, "sub-task of a dataset collection", "no_effect", "datasets are read from dataset_name_or_path")
+    src_length: int = F(1024, "max tokens of the source (prompt); cut from the left")
+    max_length: int = F(2048, "max tokens of source + target; the target is cut from the right")
+    zero_padding: bool = F(False, "pack examples into max_length rows (block-diagonal attention, no pads)")
+    greedy_zero_padding: bool = F(False, "greedy packing: each example goes to the open pack with most room")
+    intokens: bool = F(False, "old name of zero_padding")
+    pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
+    pad_to_max_length: bool = F(False, "pad every batch to max_length")
+    lazy: bool = F(False, "stream JSON lines without loading the whole file (needs max_steps)")
+    chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
+    eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")
+    save_generation_output: bool = F(False, "write generated_output.json during generation eval")
+    autoregressive: bool = F(False, "train on the whole sequence (labels on source too)")
+    use_pose_convert: bool = F(False, "PoSE position conversion", "refused", "PoSE is not implemented")
+    dataset_type: str = F("json", "dataset file format", choices=["json"])
+
+
+@dataclass
+class QuantArgument:
+    weight_quantize_algo: Optional[str] = F(None, "quantize the frozen backbone: weight_only_int8, weight_only_int4, nf4, fp4", choices=[None, "weight_only_int8", "weight_only_int4", "nf4", "fp4"])
+    weight_blocksize: int = F(64, "block size of the 4-bit algorithms")
+    weight_double_quant: bool = F(False, "quantize the block scales to 8 bits")
+    weight_double_quant_block_size: int = F(256, "block size of the double-quantised scales")
+    quant_skip_modules: Optional[List[str]] = F(None, "regexes of Linear modules kept in full precision (default: embeddings and LM head)")
+    quant_type: str = F("a8w8", "PTQ/QAT quantisation type", "no_effect", "PTQ/QAT is not implemented; only weight_quantize_algo applies")
+    do_ptq: bool = F(False, "post-training quantisation", "refused", "PTQ is not implemented")
+    do_qat: bool = F(False, "quantisation-aware training", "refused", "QAT is not implemented")
+    do_gptq: bool = F(False, "GPTQ", "refused", "GPTQ is not implemented")
+    do_awq: bool = F(False, "AWQ", "refused", "AWQ is not implemented")
+    ptq_step: int = F(32, "PTQ steps", "no_effect", "PTQ is not implemented")
+    shift: bool = F(False, "PTQ shift", "no_effect", "PTQ is not implemented")
+    smooth: bool = F(False, "PTQ smooth", "no_effect", "PTQ is not implemented")
+
+
+@dataclass
+class GenerateArgument:
+    top_k: int = F(1, "sampling: keep the k most likely tokens (1 = greedy)")
+    top_p: float = F(1.0, "sampling: nucleus probability mass")
+    temperature: float = F(1.0, "sampling temperature")
+    repetition_penalty: float = F(1.0, "divide logits of already generated tokens by this")
+    max_new_tokens: int = F(128, "tokens generated per example in generation eval")
+    decode_strategy: str = F("greedy_search", "greedy_search or sampling", choices=["greedy_search", "sampling"])
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = F(None, "where checkpoints, logs and the final model go")
+    overwrite_output_dir: bool = F(False, "allow writing into a non-empty output_dir without resuming")
+    do_train: bool = F(False, "run training")
+    do_eval: bool = F(False, "run evaluation on the dev set")
+    do_predict: bool = F(False, "run prediction", "no_effect", "use llm/predictor.py")
+    evaluation_strategy: str = F("no", "when to evaluate: no, steps, epoch", choices=["no", "steps", "epoch"])
+    eval_steps: Optional[int] = F(None, "evaluate every N steps (evaluation_strategy=steps); default logging_steps")
+    per_device_train_batch_size: int = F(8, "examples per micro-batch per data-parallel rank")
+    per_device_eval_batch_size: int = F(8, "examples per eval batch per rank")
+    gradient_accumulation_steps: int = F(1, "micro-batches per optimizer step")
+    eval_accumulation_steps: Optional[int] = F(None, "move eval outputs to CPU every N steps", "no_effect", "eval metrics are accumulated as running sums")
+    learning_rate: float = F(5e-5, "peak learning rate (AdamW)")
+    weight_decay: float = F(0.0, "AdamW decoupled weight decay (not applied to norms and biases)")
+    adam_beta1: float = F(0.9, "AdamW beta1")
+    adam_beta2: float = F(0.999, "AdamW beta2")
+    adam_epsilon: float = F(1e-8, "AdamW epsilon")
+    max_grad_norm: float = F(1.0, "clip gradients to this global L2 norm (0 disables)")
+    num_train_epochs: float = F(3.0, "epochs to train when max_steps <= 0")
+    max_steps: int = F(-1, "optimizer steps to train; overrides num_train_epochs when > 0")
+    lr_scheduler_type: str = F("linear", "linear, cosine or constant (after warmup)", choices=["linear", "cosine", "constant", "constant_with_warmup"])
+    warmup_ratio: float = F(0.0, "warmup as a fraction of total steps")
+    warmup_steps: int = F(0, "warmup steps (overrides warmup_ratio)")
+    min_lr: float = F(0.0, "final learning rate of the linear/cosine decay")
+    logging_steps: int = F(500, "log every N optimizer steps")
+    logging_first_step: bool = F(False, "also log the first step")
+    logging_dir: Optional[str] = F(None, "VisualDL/TensorBoard log dir", "no_effect", "logs go to stdout and output_dir/train_log.jsonl")
+    report_to: Optional[str] = F(None, "logging integrations", "no_effect", "logs go to stdout and output_dir/train_log.jsonl")
+    save_strategy: str = F("steps", "when to write checkpoint-N: no, steps, epoch", choices=["no", "steps", "epoch"])
+    save_steps: int = F(500, "write a checkpoint every N steps (save_strategy=steps)")
+    save_total_limit: Optional[int] = F(None, "keep at most N checkpoints (the best one is kept too)")
+    load_best_model_at_end: bool = F(False, "at the end, load the checkpoint with the best metric_for_best_model")
+    metric_for_best_model: Optional[str] = F(None, "loss, ppl, accuracy (or bleu4, rouge1, rouge2, rougel with generation eval)")
+    greater_is_better: Optional[bool] = F(None, "default: False for loss/ppl, True otherwise")
+    resume_from_checkpoint: Optional[str] = F(None, "a checkpoint-N directory, or true for the latest complete one in output_dir")
+    ignore_data_skip: bool = F(False, "on resume, do not skip the batches already seen")
+    seed: int = F(42, "random seed (init, dropout, data order)")
+    data_seed: Optional[int] = F(None, "seed of the data order (default: seed)")
+    fp16: bool = F(False, "float16 AMP on GPU; float32 on CPU (warned)")
+    bf16: bool = F(False, "bfloat16 AMP on GPU; float32 on CPU (warned)")
+    fp16_opt_level: str = F("O1", "AMP level O1 or O2 (GPU)", choices=["O1", "O2"])
+    amp_master_grad: bool = F(False, "float32 master gradients under O2 (GPU)", "no_effect", "gradients are float32 on CPU")
+    scale_loss: float = F(32768.0, "initial fp16 loss scale (GPU)")
+    recompute: bool = F(False, "recompute activations in backward (less memory, ~1/3 more compute)")
+    recompute_granularity: str = F("full", "full: whole decoder layers", choices=["full", "full_attn", "core_attn"])
+    disable_tqdm: bool = F(False, "no progress bar")
+    dataloader_drop_last: bool = F(False, "drop the last incomplete global batch of each epoch")
+    dataloader_num_workers: int = F(0, "data loader worker processes", "no_effect", "batches are built in the training process")
+    remove_unused_columns: bool = F(True, "HF dataset column pruning", "no_effect", "datasets are built with the needed columns only")
+    label_names: Optional[List[str]] = F(None, "names of label columns", "no_effect", "the label column is always labels")
+    tensor_parallel_degree: int = F(-1, "tensor-parallel ranks (-1 or 1 = off)")
+    pipeline_parallel_degree: int = F(-1, "pipeline stages (-1 or 1 = off)")
+    sharding_parallel_degree: int = F(-1, "sharding ranks (-1 = all data-parallel ranks when sharding is set)")
+    sharding: str = F("", "sharding stage: stage1, stage2 or stage3 (optionally several, space-separated)")
+    sep_parallel_degree: int = F(-1, "sequence parallel", "refused", "sequence parallelism is not implemented")
+    tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
+    pipeline_parallel_config: str = F("", "PaddleNLP PP tuning flags", "no_effect", NOEFF_PARALLEL)
+    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
+    unified_checkpoint: bool = F(False, "PaddleNLP unified checkpoint", "no_effect", "checkpoints are always one layout-independent format")
+    unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
+    optim: str = F("adamw", "optimizer", choices=["adamw"])
+    device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])
+    skip_memory_metrics: bool = F(True, "memory metrics", "no_effect", "peak RSS is logged at the end")
+    save_on_each_node: bool = F(False, "save on every node", "no_effect", "rank 0 writes")
+    flatten_param_grads: bool = F(False, "flatten gradients", "no_effect", "no flattened gradient buffer")
+    use_sparse_mask: bool = F(False, "sparse attention mask of PaddleNLP's flash attention", "no_effect", "zero padding builds its own attention structure")
+    benchmark: bool = F(False, "PaddleNLP benchmark mode", "no_effect", "use benchmarks/")
+    log_on_each_node: bool = F(True, "log on every node", "no_effect", "rank 0 logs")
+    max_evaluate_steps: int = F(-1, "cap the number of eval batches (-1 = all)")
+
+
+CLASSES = (ModelArgument, DataArgument, QuantArgument, GenerateArgument, TrainingArguments)
+TABLE = {f.name: (cls, f) for cls in CLASSES for f in dataclasses.fields(cls)}
+REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
+ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
+# key -> where it lands, for features not built yet: a non-default value is refused until then
+FEATURE_NOT_YET = {
+    "lora": "PEFT issue", "lora_path": "PEFT issue", "prefix_tuning": "PEFT issue",
+    "prefix_path": "PEFT issue", "adapter": "PEFT issue", "lowrank_adapter": "PEFT issue",
+    "bitfit": "PEFT issue", "rdrop": "PEFT issue", "neftune": "PEFT issue",
+    "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
+    "chat_template": "data issue", "eval_with_do_generation": "inference issue",
+    "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
+}
+# parallel degrees: values above 1 are refused until the parallel issues land
+PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
+                    "pipeline_parallel_degree": "pipeline-parallel issue",
+                    "sharding_parallel_degree": "sharding issue"}
+
+
+def _type_of(f):
+    t = str(f.type)
+    if "List" in t:
+        return list
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if t in (f"<class '{name}'>", f"typing.Optional[{name}]"):
+            return typ
+    return str
+
+
+def _convert(key, value, f, source):
+    """Coerce a JSON or CLI value to the field's type; errors name the key and source."""
+    typ = _type_of(f)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and typ is not str):
+        return None
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, (int, float)) and value in (0, 1):
+                return bool(value)
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is list:
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip().startswith("[") else [
+                    v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list):
+                raise ValueError
+            return [str(v) for v in value]
+        if key == "resume_from_checkpoint" and isinstance(value, bool):
+            return "true" if value else None
+        if isinstance(value, (dict, list)):
+            raise ValueError
+        return str(value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise ArgumentError(f"{source}: '{key}' must be {typ.__name__}, got {value!r}") from None
+
+
+def closest(key):
+    m = difflib.get_close_matches(key, list(TABLE) + list(ALIASES), n=1, cutoff=0.5)
+    return f"; did you mean '{m[0]}'?" if m else "; run with --help for the valid keys"
+
+
+def help_text():
+    lines = ["usage: python llm/finetune_generation.py ARGS.json [--key value ...]", "",
+             "One JSON argument file (PaddleNLP key names), then overrides. Keys:"]
+    for cls in CLASSES:
+        lines.append(f"\n{cls.__name__}:")
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            tag = {"implemented": "", "no_effect": " [accepted, no effect here]",
+                   "refused": " [refused]"}[m["status"]]
+            lines.append(f"  --{f.name} ({_type_of(f).__name__}, default {f.default if f.default is not dataclasses.MISSING else '[]'}){tag}")
+            lines.append(f"      {m['help']}" + (f" ({m['why']})" if m["why"] and m["status"] != "implemented" else ""))
+    return "\n".join(lines)
+
+
+def markdown_table():
+    """The argument table for the README (generated, so it cannot drift)."""
+    rows = ["| key | group | default | status | meaning |", "|---|---|---|---|---|"]
+    for name, (cls, f) in TABLE.items():
+        m = f.metadata
+        status = {"implemented": "implemented", "no_effect": "accepted, warns: " + (m["why"] or ""),
+                  "refused": "refused: " + (m["why"] or "")}[m["status"]]
+        if name in FEATURE_NOT_YET:
+            status = "refused until " + FEATURE_NOT_YET[name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append(f"| `{name}` | {cls.__name__} | `{default}` | {status} | {m['help']} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv=None, warn=None):
+    """argv (default sys.argv[1:]) -> (ModelArgument, DataArgument, QuantArgument,
+    GenerateArgument, TrainingArguments). Raises ArgumentError on any bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        raise SystemExit(0)
+    values, sources = {}, {}
+    if argv and not argv[0].startswith("--"):
+        path = argv.pop(0)
+        if not path.endswith(".json"):
+            raise ArgumentError(f"the first argument must be a .json argument file, got {path!r}")
+        if not os.path.isfile(path):
+            raise ArgumentError(f"argument file not found: {path} (working directory {os.getcwd()})")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ArgumentError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ArgumentError(f"{path}: must hold one JSON object of key: value pairs")
+        for k, v in data.items():
+            values[k], sources[k] = v, path
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            raise ArgumentError(f"command line: expected --key value, got {a!r}")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+            i += 1
+        else:
+            k = a[2:]
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and _is_bool_key(k)):
+                v = "true"   # bare --flag
+                i += 1
+            else:
+                v = argv[i + 1]
+                i += 2
+        values[k], sources[k] = v, "command line"
+    return build(values, sources, warn)
+
+
+def _is_bool_key(k):
+    k = ALIASES.get(k, k)
+    return k in TABLE and _type_of(TABLE[k][1]) is bool
+
+
+def build(values, sources=None, warn=None):
+    """Typed argument objects from a {key: value} dict (as read from JSON)."""
+    sources = sources or {}
+    warn = warn or (lambda msg: print("WARNING: " + msg, file=sys.stderr))
+    kwargs = {cls: {} for cls in CLASSES}
+    for key, value in values.items():
+        src = sources.get(key, "arguments")
+        name = ALIASES.get(key, key)
+        if name not in TABLE:
+            raise ArgumentError(f"{src}: unknown key '{key}'{closest(key)}")
+        cls, f = TABLE[name]
+        v = _convert(name, value, f, src)
+        if name == "zero_padding" and key == "intokens" and not v:
+            continue
+        choices = f.metadata["choices"]
+        if choices and v not in choices:
+            raise ArgumentError(f"{src}: '{key}' must be one of {[c for c in choices if c is not None]}, got {v!r}")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        status = f.metadata["status"]
+        if v != default and status == "refused":
+            raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not supported: {f.metadata['why']}")
+        if v != default and name in FEATURE_NOT_YET:
+            raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not available yet ({FEATURE_NOT_YET[name]})")
+        if v != default and status == "no_effect":
+            warn(f"'{key}: {json.dumps(value)}' has no effect here: {f.metadata['why']}")
+        kwargs[cls][name] = v
+    for key in REQUIRED:
+        cls, f = TABLE[key]
+        if kwargs[cls].get(key) in (None, ""):
+            raise ArgumentError(f"'{key}' is required ({f.metadata['help']})")
+    objs = tuple(cls(**kwargs[cls]) for cls in CLASSES)
+    _check_values(*objs, sources=sources, warn=warn)
+    return objs
+
+
+def _check_values(model_args, data_args, quant_args, gen_args, args, sources, warn):
+    def err(key, msg):
+        raise ArgumentError(f"{sources.get(key, 'arguments')}: '{key}' {msg}")
+
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size",
+                "gradient_accumulation_steps", "logging_steps", "src_length", "max_length"):
+        obj = TABLE[key][0]
+        val = getattr({ModelArgument: model_args, DataArgument: data_args, TrainingArguments: args}[obj], key)
+        if val <= 0:
+            err(key, f"must be positive, got {val}")
+    if data_args.src_length >= data_args.max_length:
+        err("src_length", f"({data_args.src_length}) must be smaller than max_length "
+            f"({data_args.max_length}) so some target tokens fit")
+    if args.save_strategy == "steps" and args.save_steps <= 0:
+        err("save_steps", "must be positive with save_strategy=steps")
+    if args.learning_rate < 0:
+        err("learning_rate", f"must be >= 0, got {args.learning_rate}")
+    if not 0 <= args.warmup_ratio < 1:
+        err("warmup_ratio", f"must be in [0, 1), got {args.warmup_ratio}")
+    if model_args.lora and model_args.prefix_tuning:
+        err("prefix_tuning", "cannot be combined with lora in one run: choose one PEFT method")
+    if model_args.lora and model_args.lora_rank <= 0:
+        err("lora_rank", f"must be positive, got {model_args.lora_rank}")
+    if model_args.prefix_tuning and model_args.num_prefix_tokens < 0:
+        err("num_prefix_tokens", f"must be >= 0, got {model_args.num_prefix_tokens}")
+    if args.load_best_model_at_end:
+        if args.evaluation_strategy == "no" or not args.do_eval:
+            err("load_best_model_at_end", "needs do_eval: true and an evaluation_strategy (steps or epoch)")
+        if args.save_strategy != args.evaluation_strategy:
+            err("load_best_model_at_end", f"needs save_strategy ({args.save_strategy}) equal to "
+                f"evaluation_strategy ({args.evaluation_strategy}) so every evaluated step has a checkpoint")
+    metric = args.metric_for_best_model
+    if metric is not None:
+        metric = metric[5:] if metric.startswith("eval_") else metric
+        valid = ("loss", "ppl", "accuracy", "bleu4", "rouge1", "rouge2", "rougel")
+        if metric not in valid:
+            err("metric_for_best_model", f"must be one of {list(valid)}, got {args.metric_for_best_model!r}")
+        if metric in valid[3:] and not data_args.eval_with_do_generation:
+            err("metric_for_best_model", f"'{metric}' needs eval_with_do_generation: true")
+        args.metric_for_best_model = metric
+    if args.greater_is_better is None and args.metric_for_best_model:
+        args.greater_is_better = args.metric_for_best_model not in ("loss", "ppl")
+    for key in ("fp16", "bf16"):
+        if getattr(args, key):
+            from .runtime import device
+
+            if device() == "cpu":
+                warn(f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32")
+    if model_args.use_flash_attention:
+        from .runtime import device
+
+        if device() == "cpu":
+            warn("'use_flash_attention: true' has no effect on CPU: the exact attention kernel is used")
+    for key, where in PARALLEL_NOT_YET.items():
+        if getattr(args, key) > 1:
+            err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
+    if args.sharding and "sharding" in PARALLEL_NOT_YET.get("sharding_parallel_degree", ""):
+        err("sharding", f"'{args.sharding}' is not available yet (sharding issue); remove it")
+    if data_args.intokens:
+        data_args.zero_padding = True

@@ -1,0 +1,146 @@
+"""Model loading and saving in Hugging Face format.
+
+    model = load_model(dir)                  # eval mode, weights streamed tensor by tensor
+    save_pretrained(model, out_dir, tokenizer=tok)
+    model = build_model(config_dict, seed=0) # random init (tests, tools)
+"""
+import logging
+import os
+
+import numpy as np
+import paddle
+
+from ..io import publish_into, read_json, write_json
+from . import hf
+from .spec import ModelSpec, get_spec, registered_types  # noqa: F401
+
+logger = logging.getLogger("paddletune")
+
+BUILTIN_MODELS = ("paddletune/tiny-llama", "paddletune/tiny-qwen2", "paddletune/tiny-chatglm2")
+
+
+def resolve_model_path(name_or_path, key="model_name_or_path"):
+    """A local HF directory, or a built-in tiny model name (generated on first use). Anything
+    else is refused: there are no downloads here."""
+    if name_or_path in BUILTIN_MODELS:
+        from .tiny import builtin_model_dir
+
+        return builtin_model_dir(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path):
+        raise ValueError(f"{key}={name_or_path!r} is a file; give the checkpoint directory")
+    raise ValueError(
+        f"{key}={name_or_path!r} is not a local directory. paddletune does not download models: "
+        f"download the checkpoint (config.json + *.safetensors + tokenizer files) and pass its "
+        f"local path, or use a built-in model: {', '.join(BUILTIN_MODELS)}")
+
+
+def load_config(path):
+    """(spec, config) from path/config.json."""
+    d = read_json(os.path.join(path, "config.json"), "config.json")
+    if "model_type" not in d:
+        raise ValueError(f"{path}/config.json has no 'model_type'; supported: {registered_types()}")
+    spec = get_spec(d["model_type"])
+    return spec, spec.config_cls.from_dict(d)
+
+
+def build_model(config, seed=None):
+    """Model from a config dict (or config object); random N(0, initializer_range) when `seed`
+    is given, otherwise lazily created parameters that must be loaded before use."""
+    if isinstance(config, dict):
+        spec = get_spec(config.get("model_type", "llama"))
+        config = spec.config_cls.from_dict(config)
+    spec = get_spec(config.model_type)
+    with paddle.LazyGuard():
+        model = spec.model_cls(config)
+    if seed is not None:
+        from .layers import init_weights
+
+        init_weights(model, config.initializer_range, seed)
+    return model
+
+
+def hf_state_names(model):
+    """Paddle parameter name -> HF tensor name for the plain (unwrapped) model: identity."""
+    return {n: n for n, _ in model.named_parameters()}
+
+
+def load_weights(model, path, spec=None, reader=None, params=None):
+    """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
+    {hf_name: parameter} map), checking every shape first against the checkpoint header."""
+    spec = spec or model.spec
+    reader = reader or hf.CheckpointReader(path)
+    params = params if params is not None else dict(model.named_parameters())
+    missing = [n for n in params if n not in reader]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+                         f"{missing[:3]}; is config.json from the same model?")
+    for name, p in params.items():
+        shape = reader.shape(name)
+        expect = list(p.shape)
+        if hf.is_linear_weight(spec, name, len(shape)):
+            shape = shape[::-1]
+        if shape != expect:
+            raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
+                             f"checkpoint, the model expects {expect} (paddle layout)")
+    for name, p in params.items():
+        p.set_value(hf.read_slice(reader, spec, name).astype(np.float32))
+    extra = [k for k in reader.keys() if k not in params and not k.endswith("rotary_emb.inv_freq")]
+    if extra:
+        logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
+    return model
+
+
+def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
+    """Load a HF-format checkpoint directory as a paddle model in eval mode."""
+    path = resolve_model_path(name_or_path)
+    spec, cfg = load_config(path)
+    model = build_model(cfg)
+    model.name_or_path = path
+    if quant is not None:
+        from ..quant import quantize_model_lazily
+
+        quantize_model_lazily(model, quant)
+    load_weights(model, path, spec)
+    model.eval()
+    return model
+
+
+def declared_dtype(config):
+    raw = config.raw if hasattr(config, "raw") else {}
+    d = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return d if d in hf.DTYPE_NAMES else "float32"
+
+
+def save_pretrained(model, out_dir, tokenizer=None, state=None, max_shard_size="5GB", dtype=None,
+                    extra_config=None):
+    """Write `model` (or `state`: {hf_name: np.ndarray in paddle layout}) as a HF directory:
+    config.json, generation_config.json, model*.safetensors (+ index), tokenizer files.
+    Files appear in out_dir only when complete; config.json is moved in last."""
+    spec, cfg = model.spec, model.config
+    dtype = dtype or declared_dtype(cfg)
+    if state is None:
+        state = {n: p for n, p in model.named_parameters()}
+
+    def tensors():
+        for name, t in state.items():
+            arr = t.numpy() if isinstance(t, paddle.Tensor) else np.asarray(t)
+            yield name, hf.to_hf_layout(spec, name, arr)
+
+    conf = cfg.to_dict()
+    conf["architectures"] = list(spec.architectures)
+    conf.update(extra_config or {})
+    with publish_into(out_dir, stale_patterns=("model*.safetensors", "model.safetensors.index.json")) as tmp:
+        hf.write_weights(tmp, tensors(), max_shard_size, dtype)
+        src = os.path.join(getattr(model, "name_or_path", "") or "", "generation_config.json")
+        if os.path.isfile(src):
+            gen = read_json(src)
+        else:
+            gen = {k: conf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if conf.get(k) is not None}
+        write_json(os.path.join(tmp, "generation_config.json"), gen)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_json(os.path.join(tmp, "config.json"), conf)
+    return out_dir

@@ -1,0 +1,233 @@
+"""Hugging Face checkpoints in and out: config.json, safetensors (single or sharded), layouts.
+
+This is the only module that converts weight layouts: HF/torch Linear weights are [out, in],
+paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight except the names
+in `ModelSpec.not_linear` (embeddings), which keep their layout.
+
+safetensors are read with our own small parser over a memory map, so tensors are read one at a
+time (or one slice at a time, for tensor parallelism) and bf16/fp16 checkpoints load without
+torch. Pickle formats (.bin, .pdparams) are refused; tools/convert_checkpoint.py converts them.
+"""
+import glob
+import json
+import os
+import struct
+
+import numpy as np
+
+from ..io import read_json
+
+_NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
+       "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_CODE = {np.dtype(v): k for k, v in _NP.items()}
+_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+         "U8": 1, "BOOL": 1}
+DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def bf16_to_f32(u16):
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x):
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    return ((u + rounding) >> 16).astype(np.uint16)
+
+
+class SafetensorsFile:
+    """Lazy reader: header parsed once, tensors copied out of a memory map on request."""
+
+    def __init__(self, path):
+        self.path = path
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.header = header
+        self.offset = 8 + n
+        self._mm = None
+
+    def keys(self):
+        return list(self.header)
+
+    def shape(self, name):
+        return list(self.header[name]["shape"])
+
+    def dtype(self, name):
+        return self.header[name]["dtype"]
+
+    def _raw(self, name):
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        info = self.header[name]
+        a, b = info["data_offsets"]
+        code = info["dtype"]
+        buf = self._mm[self.offset + a:self.offset + b]
+        view = buf.view(np.uint16 if code == "BF16" else _NP[code])
+        return view.reshape(info["shape"]), code
+
+    def get(self, name, axis=None, start=None, stop=None):
+        """Tensor (or the slice [start:stop) along `axis`) as a new numpy array; bf16 -> float32."""
+        view, code = self._raw(name)
+        if axis is not None:
+            idx = [slice(None)] * view.ndim
+            idx[axis] = slice(start, stop)
+            view = view[tuple(idx)]
+        arr = np.array(view)  # copy out of the memory map
+        return bf16_to_f32(arr) if code == "BF16" else arr
+
+
+def write_safetensors(path, tensors, metadata=None, dtype=None):
+    """Write {name: np.ndarray} as safetensors. `dtype` ('float32', 'bfloat16', 'float16') converts
+    floating tensors; others keep their dtype. Tensors are streamed to disk one by one."""
+    header, plan, off = {}, [], 0
+    for name, arr in tensors.items():
+        arr = np.asarray(arr)
+        code = _CODE.get(arr.dtype)
+        if arr.dtype.kind == "f" and dtype:
+            code = DTYPE_NAMES[dtype]
+        if code is None:
+            raise TypeError(f"cannot store {name} of dtype {arr.dtype} in safetensors")
+        nbytes = int(np.prod(arr.shape, dtype=np.int64)) * _SIZE[code]
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [off, off + nbytes]}
+        plan.append((arr, code))
+        off += nbytes
+    header["__metadata__"] = dict(metadata or {"format": "pt"})
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr, code in plan:
+            if code == "BF16":
+                data = f32_to_bf16(arr)
+            else:
+                data = np.ascontiguousarray(arr, dtype=_NP[code])
+            f.write(data.tobytes())
+
+
+class CheckpointReader:
+    """All tensors of a HF checkpoint directory: model.safetensors, or shards + index."""
+
+    PICKLE = ("pytorch_model*.bin", "*.pdparams", "model_state*.pdparams")
+
+    def __init__(self, path, prefix="model"):
+        self.path = path
+        index = os.path.join(path, f"{prefix}.safetensors.index.json")
+        single = os.path.join(path, f"{prefix}.safetensors")
+        files = {}
+        if os.path.exists(index):
+            wm = read_json(index, "safetensors index")["weight_map"]
+            opened = {}
+            for name, fn in wm.items():
+                if fn not in opened:
+                    full = os.path.join(path, fn)
+                    if not os.path.exists(full):
+                        raise FileNotFoundError(f"{index} names {fn}, which is missing from {path}")
+                    opened[fn] = SafetensorsFile(full)
+                files[name] = opened[fn]
+        elif os.path.exists(single):
+            st = SafetensorsFile(single)
+            files = {k: st for k in st.keys()}
+        else:
+            shards = sorted(glob.glob(os.path.join(path, f"{prefix}*.safetensors")))
+            for fn in shards:
+                st = SafetensorsFile(fn)
+                files.update({k: st for k in st.keys()})
+        if not files:
+            pickled = [p for pat in self.PICKLE for p in glob.glob(os.path.join(path, pat))]
+            if pickled:
+                raise ValueError(
+                    f"{path} holds only pickle weights ({os.path.basename(pickled[0])}); paddletune "
+                    "never unpickles. Convert them once (trusted files only):\n"
+                    f"  python tools/convert_checkpoint.py --input {path} --output {path}-safetensors")
+            raise FileNotFoundError(f"no {prefix}.safetensors weights found in {path}")
+        self.files = files
+
+    def keys(self):
+        return list(self.files)
+
+    def __contains__(self, name):
+        return name in self.files
+
+    def shape(self, name):
+        return self.files[name].shape(name)
+
+    def get(self, name, axis=None, start=None, stop=None):
+        return self.files[name].get(name, axis, start, stop)
+
+
+def is_linear_weight(spec, name, ndim):
+    return ndim == 2 and name.endswith(".weight") and name not in spec.not_linear
+
+
+def to_paddle_layout(spec, name, arr):
+    return np.ascontiguousarray(arr.T) if is_linear_weight(spec, name, arr.ndim) else arr
+
+
+to_hf_layout = to_paddle_layout  # a transpose is its own inverse
+
+
+def read_slice(reader, spec, name, axis=None, start=None, stop=None):
+    """Read tensor `name` in paddle layout, optionally only [start:stop) along paddle `axis`
+    (the HF axis is the other one for Linear weights), without reading the rest."""
+    ndim = len(reader.shape(name))
+    hf_axis = axis
+    if axis is not None and is_linear_weight(spec, name, ndim):
+        hf_axis = 1 - axis
+    return to_paddle_layout(spec, name, reader.get(name, hf_axis, start, stop))
+
+
+def parse_size(s):
+    if isinstance(s, int):
+        return s
+    s = s.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def write_weights(out_dir, hf_tensors, max_shard_size="5GB", dtype=None, prefix="model"):
+    """Write an iterable of (hf_name, np.ndarray in HF layout) as one file or shards + index.
+    Tensors are consumed one at a time; a shard is flushed once it reaches max_shard_size, so at
+    most one shard's worth of arrays is held."""
+    limit = parse_size(max_shard_size)
+    half = {"bfloat16": 2, "float16": 2}.get(dtype or "")
+    shards, cur, cur_size, total = [], {}, 0, 0   # shards: [(temp file, [names])]
+
+    def flush():
+        tmp = f".shard-{len(shards) + 1:05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, tmp), cur, dtype=dtype)
+        shards.append((tmp, list(cur)))
+
+    for name, arr in hf_tensors:
+        n = arr.size * (half if (half and arr.dtype.kind == "f") else arr.itemsize)
+        if cur and cur_size + n > limit:
+            flush()
+            cur, cur_size = {}, 0
+        cur[name] = arr
+        cur_size += n
+        total += n
+    if cur or not shards:
+        flush()
+    if len(shards) == 1:
+        os.replace(os.path.join(out_dir, shards[0][0]), os.path.join(out_dir, f"{prefix}.safetensors"))
+        return [f"{prefix}.safetensors"]
+    weight_map, files = {}, []
+    for i, (tmp, names) in enumerate(shards, 1):
+        final = f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
+        weight_map.update({k: final for k in names})
+        files.append(final)
+    with open(os.path.join(out_dir, f"{prefix}.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files

@@ -1,0 +1,177 @@
+"""Building blocks shared by the model files: RMSNorm, rotary tables, attention, masked LM loss.
+
+Shapes: B batch, S new tokens, T keys (past + new), N query heads, K key/value heads,
+D head_dim, H hidden, V vocab. Linear weights are paddle layout [in, out].
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+_NEG = {"float32": -1e9, "float64": -1e9, "bfloat16": -1e9, "float16": -6e4}
+
+
+@dataclass
+class CausalLMOutput:
+    """`logits` [B, S, V] when no labels are given. With labels, logits are computed only at
+    labelled positions: `label_logits` [n, V] with `label_targets` [n]; `logits` is None;
+    `loss_sum` is the summed token cross-entropy, `num_tokens` = n, `loss` = loss_sum / n."""
+    logits: Optional[paddle.Tensor] = None
+    loss: Optional[paddle.Tensor] = None
+    loss_sum: Optional[paddle.Tensor] = None
+    num_tokens: Optional[paddle.Tensor] = None
+    label_logits: Optional[paddle.Tensor] = None
+    label_targets: Optional[paddle.Tensor] = None
+    hidden_states: Optional[paddle.Tensor] = None
+
+
+class RMSNorm(nn.Layer):
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in float32."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x32 = x.astype("float32")
+        y = x32 * paddle.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+def rope_inv_freq(dim, rope, seq_len=None, max_position_embeddings=2048):
+    """Inverse frequencies [dim/2] (float32) for a normalised rope dict
+    {"rope_type": default|linear|dynamic|llama3, "rope_theta", "factor", ...}.
+
+    default: 1 / theta^(2i/dim).  linear: default / factor.  dynamic (NTK): theta is raised to
+    theta * (factor*L/Lmax - (factor-1))^(dim/(dim-2)) where L = max(seq_len, Lmax).
+    llama3: wavelengths longer than Lorig/low_freq_factor are divided by factor, shorter than
+    Lorig/high_freq_factor kept, the band between interpolated smoothly."""
+    kind = rope.get("rope_type", "default")
+    base = float(rope.get("rope_theta", 10000.0))
+    if kind == "dynamic":
+        factor = float(rope["factor"])
+        L = max(seq_len or 0, max_position_embeddings)
+        base = base * ((factor * L / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+    if kind == "linear":
+        inv = inv / np.float32(rope["factor"])
+    elif kind == "llama3":
+        factor = rope["factor"]
+        low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        old = rope.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif kind not in ("default", "dynamic"):
+        raise ValueError(f"rope_type '{kind}' is not supported (default, linear, dynamic, llama3)")
+    return inv
+
+
+def rope_cos_sin(position_ids, inv_freq):
+    """position_ids [B, S] int -> cos, sin [B, S, 2*len(inv_freq)] (halves repeated)."""
+    freqs = position_ids.astype("float32").unsqueeze(-1) * paddle.to_tensor(inv_freq).reshape([1, 1, -1])
+    emb = paddle.concat([freqs, freqs], axis=-1)
+    return paddle.cos(emb), paddle.sin(emb)
+
+
+def rotate_half(x):
+    x1, x2 = paddle.chunk(x, 2, axis=-1)
+    return paddle.concat([-x2, x1], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, S, heads, D]; cos/sin [B, S, D]."""
+    cos, sin = cos.unsqueeze(2).astype(x.dtype), sin.unsqueeze(2).astype(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ------------------------------------------------------------------------------------- attention
+
+def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dtype="float32"):
+    """Additive mask [B or 1, 1, S, T] (0 = attend, large negative = blocked), or None when plain
+    causal attention over a single new token needs no mask.
+
+    - causal: query i (absolute position past+i) sees keys j <= past+i;
+    - attention_mask [B, T] (1 real, 0 pad) blocks padded keys;
+    - segment_ids [B, S] (packed sequences, no past) blocks keys of other segments."""
+    T = past + q_len
+    neg = _NEG[str(dtype).replace("paddle.", "")]
+    bias = None
+    if q_len > 1:
+        bias = paddle.triu(paddle.full([q_len, T], neg, dtype=dtype), diagonal=past + 1)
+        bias = bias.reshape([1, 1, q_len, T])
+    if attention_mask is not None:
+        pad = (1.0 - attention_mask.astype(dtype)).reshape([batch, 1, 1, T]) * neg
+        bias = pad if bias is None else bias + pad
+    if segment_ids is not None:
+        same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)   # [B, S, S]
+        seg = paddle.where(same, paddle.zeros([], dtype), paddle.full([], neg, dtype)).unsqueeze(1)
+        bias = seg if bias is None else bias + seg
+    if bias is not None:
+        bias = paddle.clip(bias, min=neg)  # summed masks stay finite
+    return bias
+
+
+def attention(q, k, v, bias=None, dropout=0.0, training=False):
+    """Scaled dot-product attention with grouped KV heads and no K/V repetition.
+
+    q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias broadcastable to [B, 1, S, T].
+    Query heads k*g .. k*g+g-1 share KV head k (as HF's repeat_kv). Returns [B, S, N*D]."""
+    B, N, S, D = q.shape
+    K, T = k.shape[1], k.shape[2]
+    g = N // K
+    qg = q.reshape([B, K, g * S, D])
+    scores = paddle.matmul(qg, k, transpose_y=True) * (1.0 / math.sqrt(D))  # [B, K, g*S, T]
+    if bias is not None:
+        scores = (scores.reshape([B, K, g, S, T]) + bias.unsqueeze(1)).reshape([B, K, g * S, T])
+    probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
+    if dropout > 0 and training:
+        probs = F.dropout(probs, dropout, training=True)
+    out = paddle.matmul(probs, v)                                          # [B, K, g*S, D]
+    return out.reshape([B, N, S, D]).transpose([0, 2, 1, 3]).reshape([B, S, N * D])
+
+
+# ------------------------------------------------------------------------------------------ loss
+
+def causal_lm_loss(hidden, labels, head):
+    """Shifted cross-entropy using logits at labelled positions only.
+
+    hidden [B, S, H]; labels [B, S] aligned with input_ids (-100 = no loss); position t predicts
+    labels[t+1]. `head(h [n, H]) -> [n, V]`. Returns (loss_sum, n, label_logits, targets).
+    Example: labels [-100, -100, 7, 9] -> hidden rows 1, 2 are projected, targets [7, 9]."""
+    Hdim = hidden.shape[-1]
+    h = hidden[:, :-1].reshape([-1, Hdim])
+    tgt = labels[:, 1:].reshape([-1])
+    idx = paddle.nonzero(tgt != -100).reshape([-1])
+    h_sel = paddle.gather(h, idx)
+    t_sel = paddle.gather(tgt, idx)
+    logits = head(h_sel).astype("float32")
+    loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
+    n = paddle.to_tensor(idx.shape[0], dtype="float32")
+    return loss_sum, n, logits, t_sel
+
+
+def init_weights(model, std=0.02, seed=0):
+    """Deterministic N(0, std) init of Linear/Embedding weights (numpy RNG), zero biases, unit
+    norms. Used for tiny test models; real weights come from checkpoints."""
+    rng = np.random.default_rng(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            val = np.zeros(p.shape, np.float32)
+        elif len(p.shape) == 1:
+            val = np.ones(p.shape, np.float32)
+        else:
+            val = (rng.standard_normal(p.shape) * std).astype(np.float32)
+        p.set_value(val)

@@ -1,0 +1,252 @@
+"""Llama-family decoder: Llama 1/2/3, Qwen2 (q/k/v bias), Mistral-style (no sliding window).
+
+One file, differences are config flags: `qkv_bias` (Qwen2), `attention_bias` (bias on q,k,v,o),
+`mlp_bias`, `tie_word_embeddings`, explicit `head_dim`, rope scaling (default, linear,
+dynamic NTK, llama3), GQA/MQA through `num_key_value_heads`.
+
+Module names equal the Hugging Face ones (model.layers.N.self_attn.q_proj, ...), so the HF key map
+is the identity; hf.py only transposes Linear weights ([in, out] here, [out, in] in HF).
+Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan (parallel/).
+"""
+import copy
+from dataclasses import dataclass, field
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from .layers import (CausalLMOutput, RMSNorm, apply_rope, attention, attention_bias,
+                     causal_lm_loss, rope_cos_sin, rope_inv_freq)
+from .spec import ModelSpec, register
+
+
+def normalize_rope(d):
+    """Rope settings from config.json in either transformers 5.x form (`rope_parameters`) or 4.x
+    form (`rope_theta` + `rope_scaling` with "type" or "rope_type") -> one dict."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        rope = dict(params)
+    else:
+        rope = dict(d.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    if rope["rope_type"] == "su":
+        rope["rope_type"] = "longrope"
+    return rope
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    qkv_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    model_type: str = "llama"
+    bos_token_id: object = None
+    eos_token_id: object = None
+    pad_token_id: object = None
+    raw: dict = field(default_factory=dict)   # config.json as read; written back on save
+
+    @classmethod
+    def from_dict(cls, d):
+        mt = d.get("model_type", "llama")
+        heads = d["num_attention_heads"]
+        attn_bias = bool(d.get("attention_bias", False))
+        cfg = cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope=normalize_rope(d),
+            qkv_bias=attn_bias or mt == "qwen2", attention_bias=attn_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hidden_act=d.get("hidden_act", "silu"),
+            attention_dropout=float(d.get("attention_dropout", 0.0) or 0.0),
+            initializer_range=d.get("initializer_range", 0.02), model_type=mt,
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"), raw=copy.deepcopy(d))
+        cfg.validate()
+        return cfg
+
+    def validate(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.rope["rope_type"] not in ("default", "linear", "dynamic", "llama3"):
+            raise ValueError(f"rope_type '{self.rope['rope_type']}' is not supported "
+                             "(default, linear, dynamic, llama3)")
+
+    def to_dict(self):
+        d = copy.deepcopy(self.raw)
+        d["vocab_size"] = self.vocab_size
+        d.setdefault("model_type", self.model_type)
+        return d
+
+
+class LlamaAttention(nn.Layer):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        H, N, K, D = cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        qkv_bias = None if cfg.qkv_bias else False
+        self.q_proj = nn.Linear(H, N * D, bias_attr=qkv_bias)
+        self.k_proj = nn.Linear(H, K * D, bias_attr=qkv_bias)
+        self.v_proj = nn.Linear(H, K * D, bias_attr=qkv_bias)
+        self.o_proj = nn.Linear(N * D, H, bias_attr=None if cfg.attention_bias else False)
+        self.dropout = cfg.attention_dropout
+        self.layer_idx = 0
+
+    def forward(self, x, cos, sin, bias=None, cache=None):
+        B, S = x.shape[0], x.shape[1]
+        # heads are read from the projection width so a tensor-parallel slice works unchanged
+        q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
+        k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
+        v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # [B, heads, S, D]
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        out = attention(q, k, v, bias, self.dropout, self.training)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Layer):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        b = None if cfg.mlp_bias else False
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias_attr=b)
+        self.up_proj = nn.Linear(H, I, bias_attr=b)
+        self.down_proj = nn.Linear(I, H, bias_attr=b)
+        self.act = getattr(F, cfg.hidden_act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Layer):
+    def __init__(self, cfg: LlamaConfig, idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.self_attn.layer_idx = idx
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h, cos, sin, bias=None, cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, bias, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Layer):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.LayerList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Layer):
+    """forward(input_ids [B, S], attention_mask [B, past+S] (1 = real), position_ids [B, S],
+    labels [B, S] (-100 = ignore), cache (KVCache/PrefixCache), segment_ids [B, S] for packed
+    rows) -> CausalLMOutput. Without a cache, positions start at 0; with one, at cache.length."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.spec = SPECS[cfg.model_type]
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
+        self.recompute = False          # activation recomputation per decoder layer (training)
+        self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+
+    def head(self, h):
+        if self.config.tie_word_embeddings:
+            return paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
+        return self.lm_head(h)
+
+    def rope_tables(self, position_ids):
+        cfg = self.config
+        seq_len = int(position_ids.max()) + 1 if cfg.rope["rope_type"] == "dynamic" else None
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope, seq_len, cfg.max_position_embeddings)
+        return rope_cos_sin(position_ids, inv)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, cache=None,
+                segment_ids=None, return_hidden=False):
+        B, S = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = (paddle.arange(past, past + S, dtype="int64").unsqueeze(0)
+                            .expand([B, S]))
+        h = self.model.embed_tokens(input_ids)
+        if self.embedding_hook is not None:
+            h = self.embedding_hook(h)
+        cos, sin = self.rope_tables(position_ids)
+        bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
+        for layer in self.model.layers:
+            if self.recompute and self.training and cache is None:
+                from paddle.distributed.fleet.utils import recompute
+                h = recompute(layer, h, cos, sin, bias, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, bias, cache)
+        if cache is not None:
+            cache.advance(S)
+        h = self.model.norm(h)
+        if labels is None:
+            return CausalLMOutput(logits=self.head(h), hidden_states=h if return_hidden else None)
+        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head)
+        return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum,
+                              num_tokens=n, label_logits=label_logits, label_targets=targets,
+                              hidden_states=h if return_hidden else None)
+
+
+def _prefix_layout(cfg):
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TP_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+            "gate_proj": "column", "up_proj": "column", "down_proj": "row",
+            "embed_tokens": "vocab", "lm_head": "column"}
+
+
+def _tiny(model_type, **kw):
+    base = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+            "bos_token_id": 1, "eos_token_id": 2}
+    base.update(kw)
+    return base
+
+
+SPECS = {}
+for _mt, _arch, _tiny_cfg, _tmpl in (
+        ("llama", "LlamaForCausalLM", _tiny("llama"), "llama2"),
+        ("qwen2", "Qwen2ForCausalLM", _tiny("qwen2", tie_word_embeddings=True), "chatml"),
+        ("mistral", "MistralForCausalLM", _tiny("mistral", sliding_window=None), "llama2")):
+    SPECS[_mt] = register(ModelSpec(
+        model_type=_mt, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, architectures=(_arch,),
+        not_linear=("model.embed_tokens.weight",),
+        lora_targets=tuple(rf".*\.{n}$" for n in _LINEARS), tp_plan=dict(_TP_PLAN),
+        prefix_layout=_prefix_layout, tiny_config=_tiny_cfg, default_chat_template=_tmpl))

@@ -1,0 +1,129 @@
+"""Tiny checkpoints in real Hugging Face format, produced deterministically (no downloads).
+
+- `train_bpe_tokenizer(out_dir, texts)`: byte-level BPE tokenizer.json + tokenizer_config.json
+  (Llama-2 conventions: <unk>=0, <s>=1, </s>=2, BOS added).
+- `train_sentencepiece(out_dir, texts)`: tokenizer.model (Llama-2 style, sentencepiece BPE).
+- `make_tiny_checkpoint(out_dir, model_type, seed, **config_overrides)`: random N(0, 0.02)
+  weights (numpy RNG) + config.json + tokenizer files, saved by models.save_pretrained.
+- Built-in names (`paddletune/tiny-llama`, ...) are generated once into $PADDLETUNE_HOME
+  (default ~/.cache/paddletune) and reused.
+"""
+import hashlib
+import json
+import os
+import shutil
+
+from ..io import temp_dir_beside
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
+TINY_TOKENIZER = os.path.join(ASSETS, "tiny-tokenizer")
+
+# built-in name -> (model_type, config overrides); sized so the sample SFT run takes minutes
+BUILTIN = {
+    "paddletune/tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=352,
+                                           num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=1024)),
+    "paddletune/tiny-qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=352,
+                                           num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=1024)),
+    "paddletune/tiny-chatglm2": ("chatglm", {}),
+}
+
+
+def train_bpe_tokenizer(out_dir, texts, vocab_size=600, chat_template=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
+            "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+            "pad_token": "<unk>", "model_max_length": 1024, "clean_up_tokenization_spaces": False}
+    if chat_template:
+        conf["chat_template"] = chat_template
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    return out_dir
+
+
+def train_sentencepiece(out_dir, texts, vocab_size=300):
+    """Llama-2 style sentencepiece BPE model (tokenizer.model) with byte fallback."""
+    import sentencepiece as spm
+
+    os.makedirs(out_dir, exist_ok=True)
+    corpus = os.path.join(out_dir, ".corpus.txt")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.write("\n".join(texts))
+    spm.SentencePieceTrainer.train(
+        input=corpus, model_prefix=os.path.join(out_dir, "tokenizer"), vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, add_dummy_prefix=True, num_threads=1, minloglevel=2,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity")
+    os.unlink(corpus)
+    os.unlink(os.path.join(out_dir, "tokenizer.vocab"))
+    conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+            "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    return out_dir
+
+
+def make_tiny_checkpoint(out_dir, model_type="llama", seed=0, tokenizer_dir=TINY_TOKENIZER,
+                         **overrides):
+    """Write a random tiny model of `model_type` with the tokenizer from `tokenizer_dir`."""
+    from . import build_model, get_spec, save_pretrained
+    from ..tokenizer import Tokenizer
+
+    spec = get_spec(model_type)
+    tok = Tokenizer(tokenizer_dir)
+    config = dict(spec.tiny_config)
+    config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if "pad_token_id" in spec.tiny_config or tok.pad_token_id is not None:
+        config["pad_token_id"] = tok.pad_token_id
+    config.update(overrides)
+    model = build_model(config, seed=seed)
+    save_pretrained(model, out_dir, tokenizer=tok, dtype="float32")
+    return out_dir
+
+
+def builtin_model_dir(name):
+    """Directory of built-in model `name`, generating it on first use (atomic rename)."""
+    model_type, overrides = BUILTIN[name]
+    key = json.dumps([model_type, overrides, _tokenizer_digest()], sort_keys=True)
+    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
+    home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
+    path = os.path.join(home, f"{name.split('/')[-1]}-{tag}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tmp = temp_dir_beside(path)
+    try:
+        make_tiny_checkpoint(tmp, model_type, seed=0, **overrides)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process finished first; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _tokenizer_digest():
+    with open(os.path.join(TINY_TOKENIZER, "tokenizer.json"), "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:10]
+
+
+if __name__ == "__main__":  # regenerate the shipped tokenizer from the sample dataset
+    from ..data.builtin import generate
+
+    train, dev = generate()
+    texts = [r["src"] + "\n" + r["tgt"] for r in train + dev]
+    train_bpe_tokenizer(TINY_TOKENIZER, texts)

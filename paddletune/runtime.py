@@ -1,0 +1,188 @@
+"""Process set-up that must happen before (or right after) paddle is imported.
+
+The one place that decides: CPU thread count and MKL code path, the device (cpu / gpu), seeds,
+and what the precision switches mean on this device.
+
+Why the thread settings matter (measured on a 2-core AMD EPYC, paddle 3.3.1, 1024^3 fp32 matmul):
+paddle's MKL runs 1 thread by default (~40 GFLOP/s); OMP_NUM_THREADS=2 gives ~75; adding
+MKL_DEBUG_CPU_TYPE=5 on AMD (MKL otherwise takes its slow non-Intel path) gives ~160-230.
+These variables are read when paddle loads MKL, so `configure_cpu_env()` runs from
+`paddletune/__init__.py` before paddle is imported.
+"""
+import contextlib
+import logging
+import os
+import random
+import sys
+
+logger = logging.getLogger("paddletune")
+
+_CHOICES = {}  # what configure_cpu_env decided, logged later by log_runtime()
+_WARNED = set()
+
+
+def physical_cores():
+    """Number of physical cores usable by this process (hyper-threads counted once)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    cores = set()
+    try:
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+    except OSError:
+        pass
+    return max(1, min(usable, len(cores) or usable))
+
+
+def cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":")[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def local_process_count():
+    """Processes sharing this machine under paddle.distributed.launch (1 when run alone)."""
+    for key in ("PADDLE_LOCAL_SIZE", "PADDLE_TRAINERS_NUM"):
+        if os.environ.get(key, "").isdigit():
+            return max(1, int(os.environ[key]))
+    return 1
+
+
+def configure_cpu_env():
+    """Set OMP/MKL threads = physical cores / local processes, and MKL_DEBUG_CPU_TYPE=5 on AMD,
+    unless the user set them. Must run before paddle is imported; no-op (with a note) after."""
+    if _CHOICES:
+        return _CHOICES
+    if "paddle" in sys.modules:
+        _CHOICES["note"] = "paddle was imported before paddletune: thread settings left as they are"
+        return _CHOICES
+    threads = max(1, physical_cores() // local_process_count())
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if key in os.environ:
+            _CHOICES[key] = os.environ[key] + " (user)"
+        else:
+            os.environ[key] = str(threads)
+            _CHOICES[key] = str(threads)
+    if cpu_vendor() == "AuthenticAMD":
+        if "MKL_DEBUG_CPU_TYPE" in os.environ:
+            _CHOICES["MKL_DEBUG_CPU_TYPE"] = os.environ["MKL_DEBUG_CPU_TYPE"] + " (user)"
+        else:
+            os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
+            _CHOICES["MKL_DEBUG_CPU_TYPE"] = "5 (AMD host)"
+    return _CHOICES
+
+
+class _BannerFilter:
+    """stderr wrapper dropping paddle's import-time OMP_NUM_THREADS banner (we log the choice)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "OMP_NUM_THREADS" in text and ("WISELY" in text or "not 1" in text):
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def quiet_paddle_banner():
+    import warnings
+
+    old = sys.stderr
+    sys.stderr = _BannerFilter(old)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found")
+            yield
+    finally:
+        sys.stderr = old
+
+
+def log_runtime():
+    if _CHOICES and "runtime" not in _WARNED:
+        _WARNED.add("runtime")
+        logger.info("CPU runtime: %s", ", ".join(f"{k}={v}" for k, v in _CHOICES.items()))
+
+
+def device():
+    """'gpu' when paddle was built with CUDA and sees a GPU, else 'cpu'. The only device switch."""
+    import paddle
+
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return "gpu"
+    return "cpu"
+
+
+def set_device():
+    import paddle
+
+    dev = device()
+    if dev == "gpu":
+        from paddle.distributed import ParallelEnv
+
+        paddle.set_device(f"gpu:{ParallelEnv().dev_id}")
+    else:
+        paddle.set_device("cpu")
+    return dev
+
+
+def warn_once(key, message, *args):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message, *args)
+
+
+def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
+    """Resolve precision switches for this device: (enabled, dtype, level).
+
+    CPU paddle has float32 kernels only, so fp16/bf16 run in float32 there (warned once).
+    On GPU they map to paddle AMP at `fp16_opt_level` (O1 or O2) - untested on our machines."""
+    if not (fp16 or bf16):
+        return False, "float32", "O0"
+    if device() == "cpu":
+        warn_once("amp_cpu", "fp16/bf16 requested but CPU paddle has float32 kernels only: "
+                  "running in float32")
+        return False, "float32", "O0"
+    return True, ("bfloat16" if bf16 else "float16"), fp16_opt_level
+
+
+def set_seed(seed):
+    import numpy as np
+    import paddle
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    paddle.seed(seed)
+
+
+def setup_logging(rank=0):
+    """Plain stdout logging; ranks other than 0 log warnings only."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        handler.setFormatter(logging.Formatter(prefix + "[%(asctime)s] %(levelname)s %(message)s",
+                                               "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+    return logger

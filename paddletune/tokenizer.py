@@ -1,0 +1,220 @@
+"""Tokenizers from Hugging Face checkpoint directories, without transformers.
+
+Backends: `tokenizer.json` through the `tokenizers` library (preferred when present), else
+`tokenizer.model` through `sentencepiece`. Settings come from tokenizer_config.json and
+special_tokens_map.json: bos/eos/unk/pad tokens, `add_bos_token` / `add_eos_token`, added tokens,
+and the chat template (`chat_template` key or a `chat_template.jinja` file beside it).
+
+Special tokens on encode:
+- tokenizers backend: when tokenizer_config.json states add_bos_token/add_eos_token, those decide
+  (as HF's Llama tokenizer rebuilds its post-processor from them); otherwise the post-processor
+  in tokenizer.json decides (Llama-3 adds <|begin_of_text|>, Qwen2 adds nothing).
+- sentencepiece backend: add_bos_token defaults to True, add_eos_token to False (Llama-2).
+A checkpoint without a pad token (Llama-3) gets unk, or else eos, as pad.
+"""
+import json
+import os
+import re
+import shutil
+
+from .io import read_json
+
+FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+         "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def _content(tok):
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, path):
+        self.path = path
+        self.config = self._read_optional("tokenizer_config.json")
+        special_map = self._read_optional("special_tokens_map.json")
+        self.added = {}   # token string -> id, tokens matched before the model's tokenisation
+        self.special_ids = set()
+        tj, tm = (os.path.join(path, f) for f in ("tokenizer.json", "tokenizer.model"))
+        if os.path.exists(tj):
+            from tokenizers import Tokenizer as _Tok
+
+            self.backend = "tokenizers"
+            self._tok = _Tok.from_file(tj)
+            for t in json.load(open(tj, encoding="utf-8")).get("added_tokens", []):
+                self.added[t["content"]] = t["id"]
+                if t.get("special"):
+                    self.special_ids.add(t["id"])
+        elif os.path.exists(tm):
+            import sentencepiece as spm
+
+            self.backend = "sentencepiece"
+            self._sp = spm.SentencePieceProcessor(model_file=tm)
+            for sid, t in (self.config.get("added_tokens_decoder") or {}).items():
+                self.added[t["content"]] = int(sid)
+                if t.get("special", True):
+                    self.special_ids.add(int(sid))
+            self.added.update(self._read_optional("added_tokens.json"))
+            for i in range(self._sp.get_piece_size()):
+                if self._sp.is_control(i) or self._sp.is_unknown(i):
+                    self.special_ids.add(i)
+        else:
+            raise FileNotFoundError(
+                f"no tokenizer.json or tokenizer.model in {path}; copy the checkpoint's tokenizer "
+                "files into that directory")
+        self._added_re = (re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
+                          if self.added and self.backend == "sentencepiece" else None)
+
+        def tok(name):
+            return _content(self.config.get(name)) or _content(special_map.get(name))
+
+        self.bos_token, self.eos_token = tok("bos_token"), tok("eos_token")
+        self.unk_token, self.pad_token = tok("unk_token"), tok("pad_token")
+        if self.backend == "sentencepiece":
+            sp = self._sp
+            self.bos_token = self.bos_token or (sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None)
+            self.eos_token = self.eos_token or (sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None)
+            self.unk_token = self.unk_token or (sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None)
+        self.pad_added = self.pad_token is None
+        if self.pad_token is None:
+            self.pad_token = self.unk_token or self.eos_token
+        self.explicit_specials = "add_bos_token" in self.config or "add_eos_token" in self.config \
+            or self.backend == "sentencepiece"
+        self.add_bos_token = bool(self.config.get("add_bos_token", self.backend == "sentencepiece"))
+        self.add_eos_token = bool(self.config.get("add_eos_token", False))
+        self.chat_template = self._load_chat_template()
+
+    # ------------------------------------------------------------------ files
+    def _read_optional(self, name):
+        p = os.path.join(self.path, name)
+        return read_json(p) if os.path.exists(p) else {}
+
+    def _load_chat_template(self):
+        t = self.config.get("chat_template")
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
+        jinja = os.path.join(self.path, "chat_template.jinja")
+        if t is None and os.path.exists(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                t = f.read()
+        return t
+
+    def save_pretrained(self, out_dir):
+        """Copy the tokenizer files; record the pad token when it was filled in here."""
+        os.makedirs(out_dir, exist_ok=True)
+        for name in FILES:
+            src = os.path.join(self.path, name)
+            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
+                shutil.copyfile(src, os.path.join(out_dir, name))
+        if self.pad_added:
+            conf = dict(self.config)
+            conf["pad_token"] = self.pad_token
+            with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+                json.dump(conf, f, indent=2, ensure_ascii=False)
+
+    # ------------------------------------------------------------------ ids
+    def token_to_id(self, token):
+        if token is None:
+            return None
+        if token in self.added:
+            return self.added[token]
+        if self.backend == "tokenizers":
+            return self._tok.token_to_id(token)
+        i = self._sp.piece_to_id(token)
+        return None if (i == self._sp.unk_id() and token != self.unk_token) else i
+
+    def id_to_token(self, i):
+        if self.backend == "tokenizers":
+            return self._tok.id_to_token(i)
+        inv = {v: k for k, v in self.added.items()}
+        return inv.get(i) or self._sp.id_to_piece(i)
+
+    @property
+    def bos_token_id(self):
+        return self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self):
+        return self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self):
+        return self.token_to_id(self.pad_token)
+
+    @property
+    def unk_token_id(self):
+        return self.token_to_id(self.unk_token)
+
+    def __len__(self):
+        if self.backend == "tokenizers":
+            return self._tok.get_vocab_size(with_added_tokens=True)
+        return max([self._sp.get_piece_size() - 1] + list(self.added.values())) + 1
+
+    vocab_size = property(__len__)
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(self, text, add_special_tokens=True):
+        """Text -> ids. With add_special_tokens, BOS/EOS are added as the checkpoint says."""
+        if self.backend == "tokenizers":
+            if not self.explicit_specials:
+                return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._sp_encode(text)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id] + ids
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = ids + [self.eos_token_id]
+        return ids
+
+    def _sp_encode(self, text):
+        if self._added_re is None:
+            return self._sp.encode(text)
+        ids = []
+        for piece in self._added_re.split(text):
+            if not piece:
+                continue
+            ids += [self.added[piece]] if piece in self.added else self._sp.encode(piece)
+        return ids
+
+    def special_tokens_around(self):
+        """(prefix_ids, suffix_ids) that encode(..., add_special_tokens=True) puts around text,
+        e.g. ([bos], []) for Llama-2/3, ([], []) for Qwen2."""
+        plain = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return full[:i], full[i + len(plain):]
+        return [], []
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        if self.backend == "tokenizers":
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        out, run = [], []
+        inv = {v: k for k, v in self.added.items()}
+        for i in ids:
+            if i in inv:
+                if run:
+                    out.append(self._sp.decode(run))
+                    run = []
+                out.append(inv[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.decode(run))
+        return "".join(out)
+
+    def __repr__(self):
+        return (f"Tokenizer({self.path!r}, backend={self.backend}, vocab={len(self)}, "
+                f"bos={self.bos_token!r}, eos={self.eos_token!r}, pad={self.pad_token!r})")
+
+
+def load_tokenizer(name_or_path):
+    from .models import resolve_model_path
+
+    return Tokenizer(resolve_model_path(name_or_path, key="tokenizer path"))

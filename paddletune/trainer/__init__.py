@@ -1,0 +1,1 @@
+from .trainer import MapStyleSource, Trainer  # noqa: F401

@@ -1,0 +1,340 @@
+"""The training loop: one concrete Trainer, no subclass hooks.
+
+Loss normalisation (exact across accumulation and data parallel): for one optimizer step, every
+rank counts its target tokens, the counts are summed over ranks (N), and each micro-batch
+back-propagates loss_sum / N. Summing gradients over ranks then gives the gradient of
+(sum of all token losses in the global batch) / N, which is also the logged loss. So batch 4 x
+accumulation 1, batch 1 x accumulation 4 and 2 ranks x batch 2 agree however lengths differ.
+
+Per step: forward/backward of this rank's micro-batches -> gradients summed over data-parallel
+ranks -> global-norm clipping -> AdamW -> (log, eval, checkpoint as configured).
+Only rank 0 writes logs, checkpoints and the final model.
+"""
+import json
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import paddle
+
+from .. import parallel
+from ..data.collate import BatchPlan, pad_batch
+from ..runtime import amp_settings
+from . import checkpoint as ckpt
+from .optim import AdamW, lr_at
+
+logger = logging.getLogger("paddletune")
+MODEL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "segment_ids")
+
+
+class MapStyleSource:
+    """Training batches from an in-memory dataset through a BatchPlan (see data/collate.py)."""
+
+    def __init__(self, dataset, plan, collate):
+        self.dataset, self.plan, self.collate = dataset, plan, collate
+
+    @property
+    def steps_per_epoch(self):
+        return self.plan.steps_per_epoch
+
+    def iterate(self, epoch, start_step=0):
+        for step, micro in self.plan.iterate(epoch, start_step):
+            yield step, [self.collate([self.dataset[i] for i in idx]) for idx in micro]
+
+
+class Trainer:
+    """Trainer(model, args, train_dataset, eval_dataset, tokenizer, export_fn=...).train()
+
+    export_fn(out_dir) writes the final model (HF directory, or adapter files for PEFT); it
+    defaults to models.save_pretrained. `trainable` ({name: param}) defaults to every parameter
+    with stop_gradient False. `train_source` replaces the default MapStyleSource (packing, lazy
+    data). `callbacks` are called as cb(trainer, step_info) after every optimizer step."""
+
+    def __init__(self, model, args, train_dataset=None, eval_dataset=None, tokenizer=None,
+                 export_fn=None, trainable=None, collate=None, train_source=None, callbacks=(),
+                 lr_scales=None, loss_fn=None, eval_fn=None):
+        self.model, self.args, self.tokenizer = model, args, tokenizer
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.topo = parallel.topology()
+        pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
+        self.collate = collate or (lambda ex: pad_batch(ex, pad_id))
+        self.trainable = trainable if trainable is not None else {
+            n: p for n, p in model.named_parameters() if not p.stop_gradient}
+        if not self.trainable:
+            raise ValueError("no trainable parameters")
+        self.export_fn = export_fn or self._default_export
+        self.train_source = train_source
+        self.callbacks = list(callbacks)
+        self.loss_fn = loss_fn      # optional f(model, batch) -> CausalLMOutput-like (R-Drop)
+        self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
+        self.optimizer = AdamW(self.trainable.items(), lr_scales, (args.adam_beta1, args.adam_beta2),
+                               args.adam_epsilon, args.weight_decay)
+        self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
+        self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
+                      "best_metric": None, "best_step": None}
+        self.main = self.topo.is_main
+        self.model.recompute = bool(args.recompute)
+
+    # ---------------------------------------------------------------- setup
+    def _default_export(self, out_dir):
+        from ..models import save_pretrained
+
+        save_pretrained(self.model, out_dir, tokenizer=self.tokenizer)
+
+    def _source(self):
+        if self.train_source is not None:
+            return self.train_source
+        a = self.args
+        plan = BatchPlan(len(self.train_dataset), a.per_device_train_batch_size,
+                         a.gradient_accumulation_steps, self.topo.dp_degree, self.topo.dp_rank,
+                         seed=a.data_seed if a.data_seed is not None else a.seed,
+                         drop_last=a.dataloader_drop_last)
+        self.train_source = MapStyleSource(self.train_dataset, plan, self.collate)
+        return self.train_source
+
+    def total_steps(self):
+        a, spe = self.args, self._source().steps_per_epoch
+        if a.max_steps and a.max_steps > 0:
+            return a.max_steps
+        if spe is None:
+            raise ValueError("max_steps is required when the number of steps per epoch is unknown (lazy data)")
+        return max(1, math.ceil(a.num_train_epochs * spe))
+
+    # ---------------------------------------------------------------- one step
+    def _forward(self, batch):
+        inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
+        enabled, dtype, level = self.amp
+        with paddle.amp.auto_cast(enable=enabled, dtype=dtype, level=level):
+            if self.loss_fn is not None:
+                return self.loss_fn(self.model, inputs)
+            return self.model(**inputs)
+
+    def training_step(self, micro_batches, lr):
+        """Forward/backward of this rank's micro-batches, DP gradient sum, clip, AdamW.
+        Returns tensors (no host sync): loss (global batch mean), grad norm."""
+        n_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
+                         for b in micro_batches)
+        n_global, real_global = parallel.all_reduce_scalars([n_local, real_local])
+        loss_acc = paddle.zeros([], "float32")
+        for b in micro_batches:
+            out = self._forward(b)
+            (out.loss_sum / max(n_global, 1.0)).backward()
+            loss_acc = loss_acc + out.loss_sum.detach().astype("float32")
+        names = list(self.trainable)
+        grads = [self.trainable[n].grad if self.trainable[n].grad is not None
+                 else paddle.zeros(self.trainable[n].shape, self.trainable[n].dtype) for n in names]
+        grads = parallel.all_reduce_grads(grads)
+        sq = paddle.add_n([(g.astype("float32") ** 2).sum() for g in grads])
+        norm = paddle.sqrt(sq)
+        scale = paddle.ones([], "float32")
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            scale = paddle.clip(self.args.max_grad_norm / (norm + 1e-6), max=1.0)
+        self.optimizer.step({n: g * scale for n, g in zip(names, grads)}, lr)
+        for p in self.trainable.values():
+            p.clear_gradient(False)
+        return loss_acc / max(n_global, 1.0), norm, n_global, real_global
+
+    # ---------------------------------------------------------------- loop
+    def train(self):
+        a = self.args
+        source = self._source()
+        total = self.total_steps()
+        warmup = a.warmup_steps if a.warmup_steps > 0 else math.ceil(a.warmup_ratio * total)
+        if a.resume_from_checkpoint:
+            self._resume(a.resume_from_checkpoint)
+        self._log_start(total)
+        self.model.train()
+        bar = self._progress(total)
+        st = self.state
+        interval = {"loss": paddle.zeros([], "float32"), "steps": 0, "tokens": 0.0, "targets": 0.0,
+                    "t0": time.time(), "norm": None}
+        epoch, start = st["epoch"], st["step_in_epoch"]
+        while st["global_step"] < total:
+            for s, micro in source.iterate(epoch, start):
+                lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
+                loss, norm, ntgt, ntok = self.training_step(micro, lr)
+                st["global_step"] += 1
+                spe = source.steps_per_epoch
+                done = spe is not None and s + 1 == spe
+                st["epoch"], st["step_in_epoch"] = (epoch + 1, 0) if done else (epoch, s + 1)
+                interval["loss"] = interval["loss"] + loss
+                interval["steps"] += 1
+                interval["tokens"] += ntok
+                interval["targets"] += ntgt
+                interval["norm"] = norm
+                info = {"step": st["global_step"], "lr": lr, "micro_batches": micro,
+                        "epoch": epoch + (s + 1) / spe if spe else epoch}
+                for cb in self.callbacks:
+                    cb(self, info)
+                if bar is not None:
+                    bar.update(1)
+                self._maybe_log_eval_save(info, interval, done, total)
+                if st["global_step"] >= total:
+                    break
+            epoch, start = st["epoch"], st["step_in_epoch"]
+        if bar is not None:
+            bar.close()
+        self._finish()
+        return self.state
+
+    def _maybe_log_eval_save(self, info, interval, epoch_done, total):
+        a, st = self.args, self.state
+        step = st["global_step"]
+        last = step >= total
+        if step % a.logging_steps == 0 or last or (a.logging_first_step and step == 1):
+            self._log_interval(info, interval)
+        evaluate = self.eval_dataset is not None and a.do_eval and (
+            (a.evaluation_strategy == "steps" and step % (a.eval_steps or a.logging_steps) == 0)
+            or (a.evaluation_strategy == "epoch" and epoch_done))
+        metrics = self.evaluate() if evaluate else None
+        if metrics:
+            self._track_best(metrics)
+        save = (a.save_strategy == "steps" and step % a.save_steps == 0) or (
+            a.save_strategy == "epoch" and epoch_done)
+        if save:
+            self.save_checkpoint()
+
+    def _log_interval(self, info, interval):
+        loss = float(parallel.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
+        dt = max(time.time() - interval["t0"], 1e-9)
+        rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4), "loss": round(loss, 6),
+               "lr": info["lr"], "grad_norm": round(float(interval["norm"]), 6),
+               "tokens_per_sec": round(interval["tokens"] / dt, 1),
+               "target_tokens_per_sec": round(interval["targets"] / dt, 1)}
+        self._record(rec)
+        interval.update(loss=paddle.zeros([], "float32"), steps=0, tokens=0.0, targets=0.0,
+                        t0=time.time())
+
+    def _record(self, rec):
+        self.state["log_history"].append(rec)
+        if not self.main:
+            return
+        logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "train_log.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _progress(self, total):
+        if self.args.disable_tqdm or not self.main:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=self.state["global_step"], desc="train", dynamic_ncols=True)
+
+    def _log_start(self, total):
+        a = self.args
+        n_train = sum(int(np.prod(p.shape)) for p in self.trainable.values())
+        n_all = sum(int(np.prod(p.shape)) for p in self.model.parameters())
+        if self.main:
+            logger.info("***** Running training *****")
+            if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
+                logger.info("  examples = %d", len(self.train_dataset))
+            logger.info("  micro batch = %d, accumulation = %d, data-parallel ranks = %d, global batch = %d",
+                        a.per_device_train_batch_size, a.gradient_accumulation_steps, self.topo.dp_degree,
+                        a.per_device_train_batch_size * a.gradient_accumulation_steps * self.topo.dp_degree)
+            logger.info("  optimizer steps = %d (starting at %d)", total, self.state["global_step"])
+            logger.info("trainable params: {:,} / {:,} ({:.2%})".format(n_train, n_all, n_train / max(n_all, 1)))
+
+    # ---------------------------------------------------------------- eval
+    @paddle.no_grad()
+    def evaluate(self):
+        """Dev-set loss, ppl, token accuracy (argmax at labelled positions), summed over ranks."""
+        a, ds = self.args, self.eval_dataset
+        was_training = self.model.training
+        self.model.eval()
+        bs, world, rank = a.per_device_eval_batch_size, self.topo.dp_degree, self.topo.dp_rank
+        batches = [list(range(i, min(i + bs, len(ds)))) for i in range(0, len(ds), bs)]
+        if a.max_evaluate_steps and a.max_evaluate_steps > 0:
+            batches = batches[:a.max_evaluate_steps]
+        loss_sum = paddle.zeros([], "float32")
+        count = paddle.zeros([], "float32")
+        correct = paddle.zeros([], "float32")
+        for idx in batches[rank::world]:
+            out = self._forward(self.collate([ds[i] for i in idx]))
+            loss_sum += out.loss_sum.astype("float32")
+            count += out.num_tokens
+            correct += (out.label_logits.argmax(-1) == out.label_targets).astype("float32").sum()
+        total = parallel.all_reduce_sum(paddle.stack([loss_sum, count, correct]))
+        loss_sum, count, correct = (float(x) for x in total.numpy())
+        loss = loss_sum / max(count, 1.0)
+        metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
+        if self.eval_fn is not None:
+            metrics.update(self.eval_fn(self))
+        self._record({"step": self.state["global_step"], **{f"eval_{k}": round(v, 6) for k, v in metrics.items()}})
+        if was_training:
+            self.model.train()
+        return metrics
+
+    def _track_best(self, metrics):
+        name = self.args.metric_for_best_model
+        if not name or name not in metrics:
+            return
+        value, best = metrics[name], self.state["best_metric"]
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better:
+            self.state["best_metric"], self.state["best_step"] = value, self.state["global_step"]
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_path(self, step):
+        return os.path.join(self.args.output_dir, f"checkpoint-{step}")
+
+    def save_checkpoint(self):
+        step = self.state["global_step"]
+        rngs = parallel.all_gather_json(ckpt.rng_state())
+        if self.main:
+            tensors, meta = self.optimizer.state_dict()
+            state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size)
+            ckpt.clean_temp_dirs(self.args.output_dir)
+            path = ckpt.save_checkpoint(self.checkpoint_path(step), ckpt.arrays(self.trainable), tensors, state)
+            best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
+            ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
+            logger.info("checkpoint saved: %s", path)
+        parallel.barrier()
+
+    def _resume(self, which):
+        path = which
+        if str(which).lower() == "true":
+            path = ckpt.latest_checkpoint(self.args.output_dir)
+            if path is None:
+                raise FileNotFoundError(f"resume_from_checkpoint=true but {self.args.output_dir} "
+                                        "holds no complete checkpoint-N directory")
+        model_state, optim, state = ckpt.load_checkpoint(path)
+        self._load_trainable(model_state, path)
+        self.optimizer.load_state_dict(optim, state.pop("optimizer"))
+        rngs = state.pop("rng")
+        if state.pop("world_size", 1) == self.topo.world_size:
+            ckpt.set_rng_state(rngs[self.topo.rank])
+        else:
+            logger.warning("resuming with %d ranks from a %d-rank checkpoint: dropout RNG restarts",
+                           self.topo.world_size, len(rngs))
+        self.state.update(state)
+        if self.main:
+            logger.info("resumed from %s at step %d", path, self.state["global_step"])
+
+    def _load_trainable(self, model_state, path):
+        missing = [n for n in self.trainable if n not in model_state]
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks trainable tensors {missing[:3]} "
+                             "(was it written by a different model or PEFT method?)")
+        for n, p in self.trainable.items():
+            if list(model_state[n].shape) != list(p.shape):
+                raise ValueError(f"{path}: {n} has shape {list(model_state[n].shape)}, model has {list(p.shape)}")
+            p.set_value(model_state[n])
+
+    def _finish(self):
+        a, st = self.args, self.state
+        if a.load_best_model_at_end and st["best_step"]:
+            path = self.checkpoint_path(st["best_step"])
+            if os.path.isdir(path):
+                model_state, _, _ = ckpt.load_checkpoint(path)
+                self._load_trainable(model_state, path)
+                if self.main:
+                    logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
+                                st["best_metric"], path)
+        if self.main:
+            self.export_fn(a.output_dir)
+            logger.info("model saved to %s", os.path.abspath(a.output_dir))
+        parallel.barrier()

@@ -1,0 +1,28 @@
+"""paddletune: fine-tune and pre-train LLMs with PaddlePaddle from JSON argument files."""
+from setuptools import find_packages, setup
+
+setup(
+    name="paddletune",
+    version="0.1.0",
+    description="PaddlePaddle toolkit for LLM fine-tuning (SFT, LoRA, Prefix Tuning, QLoRA) "
+    "with Hugging Face checkpoints in and out",
+    python_requires=">=3.9",
+    packages=find_packages(include=["paddletune", "paddletune.*"]),
+    package_data={"paddletune": ["assets/*/*", "assets/*/*/*"]},
+    install_requires=[
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "sentencepiece",
+        "jinja2",
+        "jsonlines",
+        "tqdm",
+    ],
+    extras_require={
+        # paddle comes from exactly one of these; both cannot be required at once.
+        "cpu": ["paddlepaddle==3.3.1"],
+        "gpu": ["paddlepaddle-gpu==3.3.1"],
+        # test oracles only: never imported by the library
+        "test": ["pytest", "torch==2.13.0", "transformers", "peft", "psutil"],
+    },
+)
