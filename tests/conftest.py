@@ -1,0 +1,131 @@
+"""Shared test fixtures: tiny checkpoints written by the oracle (transformers), the copy task,
+and a runner for launched (multi-process) scripts.
+
+Every model here is built in-process: nothing is downloaded.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the checkout under test wins over any installed copy
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("PADDLETUNE_HOME", os.path.join(ROOT, ".pytest_cache", "paddletune_home"))
+
+import paddletune  # noqa: E402,F401  (sets CPU threads before paddle is imported)
+
+TINY_TOKENIZER = os.path.join(ROOT, "paddletune", "assets", "tiny-tokenizer")
+
+
+def rel_err(a, b):
+    """max|a-b| / max|b| (the issues' comparison)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def hf_checkpoint(path, kind="llama", tokenizer_dir=TINY_TOKENIZER, max_shard_size=None, seed=0,
+                  **config):
+    """Save a random tiny model with transformers (the oracle) and copy a tokenizer beside it.
+    kind: llama | qwen2 | mistral. Returns (path, torch model in eval mode)."""
+    import torch
+    import transformers
+
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM")}[kind]
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=600, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2)
+    base.update(config)
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls[0])(**base)
+    model = getattr(transformers, cls[1])(cfg).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer_dir:
+        for name in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny GQA Llama saved by transformers, with the built-in BPE tokenizer."""
+    path, _ = hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
+    return path
+
+
+def copy_pairs(n=16, length=8, vocab=600, seed=0, low=3):
+    """n examples whose target repeats a random source: src = r, tgt = r (token ids).
+    Labels are -100 on the source; the first target token is predictable only by memorising."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        r = rng.integers(low, vocab, size=length).tolist()
+        ids = [1] + r + r
+        labels = [-100] * (1 + length) + r
+        out.append({"input_ids": np.array(ids, np.int64), "labels": np.array(labels, np.int64), "id": i})
+    return out
+
+
+def token_accuracy(model, examples):
+    """Teacher-forced argmax accuracy on target tokens; 1.0 means greedy decoding reproduces
+    every target exactly."""
+    import paddle
+    from paddletune.data.collate import pad_batch
+
+    was = model.training
+    model.eval()
+    with paddle.no_grad():
+        b = pad_batch(examples, 0)
+        out = model(paddle.to_tensor(b["input_ids"]), labels=paddle.to_tensor(b["labels"]))
+        acc = float((out.label_logits.argmax(-1) == out.label_targets).astype("float32").mean())
+    if was:
+        model.train()
+    return acc
+
+
+def training_args(output_dir, **kw):
+    from paddletune.args import TrainingArguments
+
+    base = dict(output_dir=str(output_dir), per_device_train_batch_size=16, learning_rate=1e-2,
+                max_steps=100, logging_steps=10, save_strategy="no", disable_tqdm=True, seed=0,
+                warmup_steps=0, lr_scheduler_type="constant", max_grad_norm=1.0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def run_script(args, cwd=ROOT, env=None, timeout=600):
+    """Run a python command line in a subprocess; returns CompletedProcess (text)."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable] + list(args), cwd=cwd, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def launch(script_args, nproc=2, cwd=ROOT, env=None, timeout=600, log_dir=None):
+    """python -m paddle.distributed.launch --nproc_per_node N ... on CPU (gloo)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    args = ["-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+            "--master", f"127.0.0.1:{port}"]
+    if log_dir:
+        args += ["--log_dir", str(log_dir)]
+    return run_script(args + list(script_args), cwd=cwd, env=env, timeout=timeout)
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return str(path)
