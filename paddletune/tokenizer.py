@@ -63,9 +63,6 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"no tokenizer.json or tokenizer.model in {path}; copy the checkpoint's tokenizer "
                 "files into that directory")
-        self._added_re = (re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
-                          if self.added and self.backend == "sentencepiece" else None)
-
         def tok(name):
             return _content(self.config.get(name)) or _content(special_map.get(name))
 
@@ -76,6 +73,13 @@ class Tokenizer:
             self.bos_token = self.bos_token or (sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None)
             self.eos_token = self.eos_token or (sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None)
             self.unk_token = self.unk_token or (sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None)
+        if self.backend == "sentencepiece":  # special token strings in text map to their ids
+            for t in (self.bos_token, self.eos_token, self.unk_token, self.pad_token):
+                if t is not None and t not in self.added and self.token_to_id(t) is not None:
+                    self.added[t] = self.token_to_id(t)
+        self._added_re = (re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
+                          if self.added and self.backend == "sentencepiece" else None)
+        self.legacy = bool(self.config.get("legacy", False))
         self.pad_added = self.pad_token is None
         if self.pad_token is None:
             self.pad_token = self.unk_token or self.eos_token
@@ -170,14 +174,28 @@ class Tokenizer:
         return ids
 
     def _sp_encode(self, text):
-        if self._added_re is None:
-            return self._sp.encode(text)
+        """sentencepiece encode, splitting out added/special tokens first. With legacy=False (the
+        transformers default for Llama) a dummy-prefix space is added only at the very start of
+        the text, and never after a special token or before text that starts with a space."""
+        pieces = self._added_re.split(text) if self._added_re is not None else [text]
         ids = []
-        for piece in self._added_re.split(text):
+        for i, piece in enumerate(pieces):
             if not piece:
                 continue
-            ids += [self.added[piece]] if piece in self.added else self._sp.encode(piece)
+            if piece in self.added:
+                ids.append(self.added[piece])
+            elif self.legacy or (i == 0 and not piece.startswith(" ")):
+                ids += self._sp.encode(piece)
+            else:
+                ids += self._sp_encode_no_prefix(piece)
         return ids
+
+    def _sp_encode_no_prefix(self, text):
+        # sentencepiece always adds its dummy-prefix space at the start of an input; encoding
+        # unk_text + text and dropping unk_text's tokens leaves `text` without it.
+        anchor = self._sp.id_to_piece(self._sp.unk_id())
+        n = len(self._sp.encode(anchor))
+        return self._sp.encode(anchor + text)[n:]
 
     def special_tokens_around(self):
         """(prefix_ids, suffix_ids) that encode(..., add_special_tokens=True) puts around text,

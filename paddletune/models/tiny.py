@@ -54,7 +54,7 @@ def train_bpe_tokenizer(out_dir, texts, vocab_size=600, chat_template=None):
     return out_dir
 
 
-def train_sentencepiece(out_dir, texts, vocab_size=300):
+def train_sentencepiece(out_dir, texts, vocab_size=600):
     """Llama-2 style sentencepiece BPE model (tokenizer.model) with byte fallback."""
     import sentencepiece as spm
 

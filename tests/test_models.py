@@ -1,0 +1,105 @@
+"""Llama-family logits against transformers (torch CPU, fp32) on checkpoints saved by transformers."""
+import numpy as np
+import paddle
+import pytest
+import torch
+
+from conftest import hf_checkpoint, rel_err
+from paddletune.models import build_model, load_model, save_pretrained
+from paddletune.models.cache import KVCache
+
+CASES = {
+    "llama_mha": ("llama", dict(num_key_value_heads=4), 40),
+    "llama3_gqa": ("llama", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}), 40),
+    "qwen2_bias_tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True), 40),
+    "linear_scaling_mqa": ("llama", dict(num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0}), 40),
+    # dynamic NTK on a sequence longer than max_position_embeddings (16 < 40)
+    "dynamic_ntk": ("llama", dict(max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 40),
+    "head_dim_mlp_bias": ("llama", dict(head_dim=24, attention_bias=True, mlp_bias=True), 24),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None), 24),
+}
+
+
+def ids_for(seq, vocab=600, batch=2, seed=0):
+    return np.random.RandomState(seed).randint(0, vocab, (batch, seq))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers(tmp_path, name):
+    kind, cfg, seq = CASES[name]
+    path, ref_model = hf_checkpoint(tmp_path / "ck", kind, max_shard_size="60KB", **cfg)
+    ids = ids_for(seq)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids)).logits.numpy()
+    model = load_model(path)
+    out = model(paddle.to_tensor(ids)).logits.numpy()
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= 1e-4, name
+
+
+def test_sharded_checkpoint_was_sharded(tmp_path):
+    import os
+
+    path, _ = hf_checkpoint(tmp_path / "ck", "llama", max_shard_size="60KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+
+
+@pytest.mark.parametrize("kind,cfg", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
+def test_saved_model_loads_in_transformers(tmp_path, kind, cfg):
+    """Our save_pretrained (sharded) -> transformers from_pretrained -> equal logits."""
+    import transformers
+
+    path, _ = hf_checkpoint(tmp_path / "src", kind, **cfg)
+    model = load_model(path)
+    save_pretrained(model, str(tmp_path / "out"), max_shard_size="50KB")
+    ours = model(paddle.to_tensor(ids_for(20))).logits.numpy()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids_for(20))).logits.numpy()
+    assert rel_err(ours, ref) <= 1e-5
+
+
+def test_labels_give_masked_mean_loss(tiny_llama):
+    """With labels the loss is the mean token CE over labelled positions only (torch reference)."""
+    model = load_model(tiny_llama)
+    ids = ids_for(12)
+    labels = ids.copy()
+    labels[:, :5] = -100
+    labels[1, 9:] = -100
+    out = model(paddle.to_tensor(ids), labels=paddle.to_tensor(labels))
+    logits = torch.tensor(model(paddle.to_tensor(ids)).logits.numpy())
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                            torch.tensor(labels[:, 1:]).reshape(-1), ignore_index=-100)
+    assert out.logits is None
+    assert int(out.num_tokens) == int((labels[:, 1:] != -100).sum())
+    assert abs(float(out.loss) - float(ref)) < 1e-5
+
+
+def test_kv_cache_incremental_equals_full(tiny_llama):
+    """Prompt in one forward, then token by token through the pre-allocated cache."""
+    model = load_model(tiny_llama)
+    ids = ids_for(16, batch=2)
+    full = model(paddle.to_tensor(ids)).logits.numpy()
+    cache = KVCache.for_model(model, batch_size=2, max_length=32)
+    steps = [model(paddle.to_tensor(ids[:, :10]), cache=cache).logits.numpy()]
+    buf_id = id(cache.keys[0])
+    for t in range(10, 16):
+        steps.append(model(paddle.to_tensor(ids[:, t:t + 1]), cache=cache).logits.numpy())
+    assert cache.length == 16 and id(cache.keys[0]) == buf_id  # written in place, never re-created
+    assert rel_err(np.concatenate(steps, axis=1), full) <= 1e-5
+
+
+def test_build_model_random_init_is_deterministic():
+    cfg = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4}
+    a, b = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert np.array_equal(p.numpy(), q.numpy()), n
+
+
+def test_indivisible_heads_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        build_model({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3})
