@@ -245,7 +245,9 @@ def _convert(key, value, f, source):
         if typ is int:
             if isinstance(value, bool):
                 raise ValueError
-            if isinstance(value, float) and value.is_integer():
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
                 return int(value)
             return int(value)
         if typ is float:
