@@ -200,8 +200,8 @@ class Trainer:
     def _log_interval(self, info, interval):
         loss = float(parallel.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
         dt = max(time.time() - interval["t0"], 1e-9)
-        rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4), "loss": round(loss, 6),
-               "lr": info["lr"], "grad_norm": round(float(interval["norm"]), 6),
+        rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4), "loss": loss,
+               "lr": info["lr"], "grad_norm": float(interval["norm"]),
                "tokens_per_sec": round(interval["tokens"] / dt, 1),
                "target_tokens_per_sec": round(interval["targets"] / dt, 1)}
         self._record(rec)
@@ -263,7 +263,7 @@ class Trainer:
         metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
         if self.eval_fn is not None:
             metrics.update(self.eval_fn(self))
-        self._record({"step": self.state["global_step"], **{f"eval_{k}": round(v, 6) for k, v in metrics.items()}})
+        self._record({"step": self.state["global_step"], **{f"eval_{k}": v for k, v in metrics.items()}})
         if was_training:
             self.model.train()
         return metrics
