@@ -386,6 +386,10 @@ def build(values, sources=None, warn=None):
     return objs
 
 
+def _world():
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+
+
 def _check_values(model_args, data_args, quant_args, gen_args, args, sources, warn):
     def err(key, msg):
         raise ArgumentError(f"{sources.get(key, 'arguments')}: '{key}' {msg}")
@@ -442,7 +446,10 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
-    if args.sharding and "sharding" in PARALLEL_NOT_YET.get("sharding_parallel_degree", ""):
-        err("sharding", f"'{args.sharding}' is not available yet (sharding issue); remove it")
+    if args.sharding and "sharding_parallel_degree" in PARALLEL_NOT_YET:
+        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and _world() > 1):
+            err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
+                "issue); remove it or set sharding_parallel_degree to 1")
+        warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
     if data_args.intokens:
         data_args.zero_padding = True

@@ -65,17 +65,24 @@ def local_process_count():
 
 
 def configure_cpu_env():
-    """Set OMP/MKL threads = physical cores / local processes, and MKL_DEBUG_CPU_TYPE=5 on AMD,
-    unless the user set them. Must run before paddle is imported; no-op (with a note) after."""
+    """Set OMP/MKL threads = physical cores / local processes (or PADDLETUNE_NUM_THREADS), and
+    MKL_DEBUG_CPU_TYPE=5 on AMD, unless the user set them. Must run before paddle is imported;
+    no-op (with a note) after."""
     if _CHOICES:
         return _CHOICES
     if "paddle" in sys.modules:
         _CHOICES["note"] = "paddle was imported before paddletune: thread settings left as they are"
         return _CHOICES
-    threads = max(1, physical_cores() // local_process_count())
+    forced = os.environ.get("PADDLETUNE_NUM_THREADS")
+    threads = int(forced) if forced else max(1, physical_cores() // local_process_count())
+    launched = "PADDLE_LOCAL_SIZE" in os.environ
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        if key in os.environ:
-            _CHOICES[key] = os.environ[key] + " (user)"
+        user = os.environ.get(key)
+        # paddle.distributed.launch imports paddle, which exports OMP_NUM_THREADS=1 to every
+        # worker; that is paddle's default, not the user's choice (PADDLETUNE_NUM_THREADS is).
+        launcher_default = launched and key == "OMP_NUM_THREADS" and user == "1"
+        if user is not None and not forced and not launcher_default:
+            _CHOICES[key] = user + " (user)"
         else:
             os.environ[key] = str(threads)
             _CHOICES[key] = str(threads)

@@ -16,6 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the checkout under test wins over any installed copy
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PADDLETUNE_HOME", os.path.join(ROOT, ".pytest_cache", "paddletune_home"))
+# pytest's temp dirs per checkout: concurrent sessions elsewhere (other worktrees) cannot prune ours
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", os.path.join(ROOT, ".pytest_cache", "tmp"))
+os.makedirs(os.environ["PYTEST_DEBUG_TEMPROOT"], exist_ok=True)
 
 import paddletune  # noqa: E402,F401  (sets CPU threads before paddle is imported)
 
@@ -100,10 +103,10 @@ def training_args(output_dir, **kw):
 
 
 def run_script(args, cwd=ROOT, env=None, timeout=600):
-    """Run a python command line in a subprocess; returns CompletedProcess (text)."""
-    e = dict(os.environ)
+    """Run a python command line in a subprocess; returns CompletedProcess (text). `env` replaces
+    the environment when given (the checkout is always put first on PYTHONPATH)."""
+    e = dict(os.environ if env is None else env)
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
     return subprocess.run([sys.executable] + list(args), cwd=cwd, env=e, capture_output=True,
                           text=True, timeout=timeout)
 
