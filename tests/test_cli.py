@@ -81,3 +81,17 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, case):
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     assert msg in r.stderr, r.stderr[-2000:]
     assert not out.exists()
+
+
+def test_data_parallel_launch_rank0_writes(tmp_path):
+    from conftest import launch
+
+    out = tmp_path / "out"
+    r = launch([SCRIPT, SFT, "--output_dir", str(out)] + ["--max_steps", "3"] + QUICK[2:], nproc=2, log_dir=tmp_path / "log")
+    logs = {k: open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)}
+    assert r.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
+    assert "data-parallel ranks = 2, global batch = 8" in logs[0]
+    assert "model saved to" in logs[0] and "model saved to" not in logs[1]
+    log = [l for l in open(out / "train_log.jsonl")]
+    assert len([l for l in log if '"loss"' in l]) == 3     # one writer: no duplicated lines
+    assert os.path.exists(out / "config.json")

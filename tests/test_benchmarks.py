@@ -1,0 +1,10 @@
+"""1-step smoke runs of the benchmarks so they cannot rot (timings are never asserted)."""
+import os
+
+from conftest import ROOT, run_script
+
+
+def test_train_throughput_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "train_throughput.py"), "--smoke"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| paddletune runtime tuning |" in r.stdout and "tokens/s" in r.stdout
