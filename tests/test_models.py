@@ -103,3 +103,17 @@ def test_indivisible_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         build_model({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
                      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3})
+
+
+def test_python_api(tiny_llama):
+    import paddletune
+    from paddletune import load_model as lm, load_tokenizer
+
+    model = lm(tiny_llama)
+    tok = load_tokenizer(tiny_llama)
+    assert isinstance(model, paddle.nn.Layer) and not model.training
+    ids = tok.encode("Add 2 and 3.")
+    out = model(paddle.to_tensor([ids]))
+    assert list(out.logits.shape) == [1, len(ids), model.config.vocab_size]
+    assert tok.decode(ids, skip_special_tokens=True) == "Add 2 and 3."
+    assert paddletune.__version__
