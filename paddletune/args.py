@@ -87,11 +87,11 @@ class DataArgument:
     src_length: int = F(1024, "max tokens of the source (prompt); cut from the left")
     max_length: int = F(2048, "max tokens of source + target; the target is cut from the right")
     zero_padding: bool = F(False, "pack examples into max_length rows (block-diagonal attention, no pads)")
-    greedy_zero_padding: bool = F(False, "greedy packing: each example goes to the open pack with most room")
+    greedy_zero_padding: bool = F(False, "greedy packing (implies zero_padding): each example goes to the open pack with most room, within buffers of 500")
     intokens: bool = F(False, "old name of zero_padding")
     pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
     pad_to_max_length: bool = F(False, "pad every batch to max_length")
-    lazy: bool = F(False, "stream JSON lines without loading the whole file (needs max_steps)")
+    lazy: bool = F(False, "stream the train JSON lines without loading them (file order, needs max_steps; dev data is loaded)")
     chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
     eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")
     save_generation_output: bool = F(False, "write generated_output.json during generation eval")
@@ -208,7 +208,6 @@ FEATURE_NOT_YET = {
     "lora": "PEFT issue", "lora_path": "PEFT issue", "prefix_tuning": "PEFT issue",
     "prefix_path": "PEFT issue", "adapter": "PEFT issue", "lowrank_adapter": "PEFT issue",
     "bitfit": "PEFT issue", "rdrop": "PEFT issue", "neftune": "PEFT issue",
-    "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
     "eval_with_do_generation": "inference issue",
     "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
 }
@@ -442,5 +441,9 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
     if args.sharding and "sharding" in PARALLEL_NOT_YET.get("sharding_parallel_degree", ""):
         err("sharding", f"'{args.sharding}' is not available yet (sharding issue); remove it")
-    if data_args.intokens:
+    if data_args.intokens or data_args.greedy_zero_padding:
         data_args.zero_padding = True
+    if data_args.lazy and args.do_train and args.max_steps <= 0:
+        err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
+    if data_args.zero_padding and data_args.eval_with_do_generation:
+        warn("zero_padding packs the training data only: generation eval uses unpacked dev data")

@@ -292,6 +292,14 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
         except ChatTemplateError as e:
             raise DataError(f"chat_template: {e}") from None
     builder = ExampleBuilder(tok, data_args)
-    train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
+    if do_train and data_args.lazy:   # streamed: files checked (head lines), not loaded
+        from .lazy import LazyDataset
+
+        files = split_files(root, "train")
+        if not files:
+            raise DataError(f"no train data in {root}: expected train.json or train/*.json")
+        train = LazyDataset(files, builder)
+    else:
+        train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
     dev = load_split(root, "dev", tok, data_args, required=do_eval, builder=builder) if do_eval else None
     return train, dev
