@@ -126,10 +126,13 @@ def _cut_user(tok, segments, pieces, user_text, src_length):
     extra = len(pieces) - len(segments)
     first = next(i for i, (_, _, a) in enumerate(pieces) if a)
     k = first - 1
-    text = segments[k - extra].text if k >= extra else ""
-    at = text.rfind(user_text) if user_text else -1
     if k < extra:
         return pieces
+    text, at = segments[k - extra].text, -1
+    for candidate in (user_text, user_text.strip()):   # templates may trim the content
+        if candidate and text.rfind(candidate) >= 0:
+            user_text, at = candidate, text.rfind(candidate)
+            break
     if at < 0:   # the template rewrote the text: cut the prompt tokens from the left instead
         others = sum(len(p[0]) for p in pieces[:extra])
         flat, keep = [i for p in pieces[extra:first] for i in p[0]], max(src_length - others, 0)
