@@ -2,6 +2,7 @@
 instruction data (many short examples, a few long ones).
 
     python benchmarks/packing.py [--examples 256] [--max_length 1024] [--batch 8] [--steps 0]
+    python benchmarks/packing.py --smoke        # 1 micro-batch per mode on a small set (tests)
 
 Each mode runs forward + backward of a tiny Llama over the same examples:
   padded        micro-batches of --batch examples, right-padded to the longest
@@ -67,7 +68,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=0, help="micro-batches per mode (0 = all)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="--steps 1 --examples 64 --max_length 128")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.steps, a.examples, a.max_length = 1, 64, 128
     cfg = dict(model_type="llama", vocab_size=1000, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
                num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=a.max_length)
@@ -94,9 +98,10 @@ def main(argv=None):
           f"{sum(lengths)} real tokens; {len(packs)} packs of <= {a.max_length}; "
           f"efficiency over the whole set: packed {stats['packed_efficiency']:.1%}, "
           f"padded {stats['padded_efficiency']:.1%}")
-    print(f"{'mode':<14}{'batches':>8}{'real tok':>10}{'computed':>10}{'effic.':>8}{'tok/s':>10}{'sec':>8}")
+    print("| mode | micro-batches | real tokens | computed positions | efficiency | real tokens/s | seconds |")
+    print("|---|---|---|---|---|---|---|")
     for name, n, toks, slots, eff, tps, secs in rows:
-        print(f"{name:<14}{n:>8}{toks:>10}{slots:>10}{eff:>8.1%}{tps:>10.0f}{secs:>8.2f}")
+        print(f"| {name} | {n} | {toks} | {slots} | {eff:.1%} | {tps:.0f} | {secs:.2f} |")
     print("command: python benchmarks/packing.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print("(CPU timings; on a shared/loaded machine they are indicative only)")
 
