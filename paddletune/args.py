@@ -445,5 +445,8 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
         data_args.zero_padding = True
     if data_args.lazy and args.do_train and args.max_steps <= 0:
         err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
+    for key in ("save_strategy", "evaluation_strategy"):
+        if data_args.lazy and args.do_train and getattr(args, key) == "epoch":
+            err(key, "'epoch' never comes with lazy data (a stream has no epochs); use 'steps'")
     if data_args.zero_padding and data_args.eval_with_do_generation:
         warn("zero_padding packs the training data only: generation eval uses unpacked dev data")

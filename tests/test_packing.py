@@ -147,6 +147,9 @@ def test_arguments():
     assert data.zero_padding
     with pytest.raises(ArgumentError, match="'lazy' needs max_steps"):
         build(dict(base, lazy=True, do_train=True))
+    build(dict(base, lazy=True, do_train=True, max_steps=5))
+    with pytest.raises(ArgumentError, match="'save_strategy' 'epoch' never comes with lazy data"):
+        build(dict(base, lazy=True, do_train=True, max_steps=5, save_strategy="epoch"))
 
 
 def test_benchmark_smoke():
