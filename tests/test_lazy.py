@@ -91,13 +91,15 @@ def test_resume_continues_at_next_unseen_example(tmp_path, tok):
     d = tmp_path / "data"
     write_jsonl(d / "train.json", rows(120))
     train, _ = build_datasets(args_for(d, lazy=True), tok)
+    plain_rest = None
     for zero, greedy in ((False, False), (True, False), (True, True)):
         src = LazySource(train, 3, 2, zero_padding=zero, greedy=greedy, capacity=96)
         it = src.iterate(0)
         first = [next(it) for _ in range(4)]
         state = src.state_dict()
         rest = [next(it) for _ in range(40)]            # crosses the end of the file
-        plain_rest = rest if not zero else plain_rest
+        if not zero:
+            plain_rest = rest
         assert src.state_dict()["pass"] >= 1
         again = LazySource(train, 3, 2, zero_padding=zero, greedy=greedy, capacity=96)
         again.load_state_dict(json.loads(json.dumps(state)))
