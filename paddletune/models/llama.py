@@ -209,7 +209,9 @@ class LlamaForCausalLM(nn.Layer):
         cos, sin = self.rope_tables(position_ids)
         bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
         for layer in self.model.layers:
-            if self.recompute and self.training and cache is None:
+            # recompute only where the layer input carries a gradient (a frozen embedding's output
+            # does not: recomputing that layer would save nothing and paddle warns about it)
+            if self.recompute and self.training and cache is None and not h.stop_gradient:
                 from paddle.distributed.fleet.utils import recompute
                 h = recompute(layer, h, cos, sin, bias, use_reentrant=False)
             else:
