@@ -6,7 +6,8 @@ With n = the sentencepiece piece count (64789 for THUDM's model):
     ChatGLM3: the same, then <|system|>=n+5, <|user|>=n+6, <|assistant|>=n+7,
               <|observation|>=n+8                                             (len n+9)
 encode(text) = [gMASK, sop] + ids(text); no BOS, no EOS (EOS is </s>, the sentencepiece eos;
-pad is <unk>). Special-token strings inside the text map to their ids; the text between them is
+pad is <unk>). Special-token strings inside the text map to their ids (bare "sop"/"eop" only as the
+prefix "[gMASK]sop": they are ordinary letters elsewhere); the text between them is
 encoded by sentencepiece piece by piece (each piece gets sentencepiece's dummy "▁" prefix), so
 a rendered ChatGLM3 conversation "<|user|>\\n hi" gives [<|user|>] + sp("\\n hi"), which equals
 THUDM's build_chat_input ([<|user|>] + sp("\\n") + sp("hi")) whenever "▁\\n" is one piece.
@@ -59,15 +60,26 @@ class ChatGLMTokenizer(Tokenizer):
                                  f"ChatGLM places it after the {n} sentencepiece pieces at {n + i}")
             self.added[name] = n + i
             self.special_ids.add(n + i)
-        self._added_re = re.compile(
-            "(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
         self.add_bos_token = self.add_eos_token = False
         self.prefix_ids = [self.added[t] for t in PREFIX]
+        # strings matched in text: bare "sop"/"eop" are ordinary letters ("people" holds "eop"),
+        # so they are matched only as the prefix "[gMASK]sop" that THUDM's templates write
+        self._split_ids = {t: [i] for t, i in self.added.items() if t not in ("sop", "eop")}
+        self._split_ids["".join(PREFIX)] = list(self.prefix_ids)
+        self._split_re = re.compile(
+            "(" + "|".join(map(re.escape, sorted(self._split_ids, key=len, reverse=True))) + ")")
 
     def encode(self, text, add_special_tokens=True):
         """Text -> ids; with add_special_tokens, [gMASK] sop in front (THUDM's prefix)."""
         ids = self._sp_encode(text)
         return self.prefix_ids + ids if add_special_tokens else ids
+
+    def _sp_encode(self, text):
+        ids = []
+        for piece in self._split_re.split(text):
+            if piece:
+                ids += self._split_ids[piece] if piece in self._split_ids else self._sp.encode(piece)
+        return ids
 
     def save_pretrained(self, out_dir):
         """Copy the tokenizer files and THUDM's tokenizer code (for trust_remote_code loaders)."""
