@@ -87,6 +87,7 @@ def paddlenlp_state(model, old, new):
 
 
 def test_paddlenlp_chatglm2_pdparams_roundtrip(tmp_path):
+    """Older PaddleNLP layout: THUDM's fused query_key_value and dense_h_to_4h halves."""
     spec = get_spec("chatglm")
     cfg = dict(spec.tiny_config, padded_vocab_size=96)
     model = build_model(cfg, seed=3)
@@ -98,7 +99,7 @@ def test_paddlenlp_chatglm2_pdparams_roundtrip(tmp_path):
     json.dump(dict(cfg, model_type="chatglm_v2", architectures=["ChatGLMv2ForCausalLM"],
                    dtype="float32"), open(src / "config.json", "w"))
     out = str(tmp_path / "out")
-    assert convert.main(["--input", str(src), "--output", out]) == 0
+    assert convert.main(["--input", str(src), "--output", out, "--paddlenlp_mlp", "halves"]) == 0
     conf = json.load(open(os.path.join(out, "config.json")))
     assert conf["model_type"] == "chatglm" and conf["architectures"] == ["ChatGLMModel"]
     st = SafetensorsFile(os.path.join(out, "model.safetensors"))
@@ -107,6 +108,50 @@ def test_paddlenlp_chatglm2_pdparams_roundtrip(tmp_path):
     back = dict(load_model(out).named_parameters())
     for n, p in model.named_parameters():
         np.testing.assert_array_equal(back[n].numpy(), p.numpy())
+
+
+def test_paddlenlp_tensor_parallel_chatglm2_layout(tmp_path):
+    """PaddleNLP's tensor-parallel ChatGLM2 layout, written here by paddle as safetensors (its
+    unified checkpoint) and as .pdparams: separate query [H, N*D], key/value [H, G*D], and an
+    MLP that computes silu(y[..., 0::2]) * y[..., 1::2] with y = x @ dense_h_to_4h. The
+    converted model's MLP output must equal that rule evaluated on the PaddleNLP weights, and
+    its fused query_key_value must be [query | key | value]."""
+    from safetensors.numpy import save_file
+
+    cfg = dict(get_spec("chatglm").tiny_config, padded_vocab_size=96)
+    rng = np.random.default_rng(7)
+    H, F, N, G, D = 64, cfg["ffn_hidden_size"], 4, 2, 16
+    state = {}
+    for n, p in build_model(cfg, seed=5).named_parameters():
+        n = n.replace("transformer.", "chatglm_v2.")
+        if "query_key_value" in n:
+            arr = rng.standard_normal(p.shape).astype(np.float32) * 0.1
+            for part, (a, b) in zip(("query", "key", "value"),
+                                    ((0, N * D), (N * D, (N + G) * D), ((N + G) * D, (N + 2 * G) * D))):
+                state[n.replace("query_key_value", part)] = arr[..., a:b]
+        else:
+            state[n] = rng.standard_normal(p.shape).astype(np.float32) * 0.1
+    for fmt in ("safetensors", "pdparams"):
+        src = tmp_path / f"tp-{fmt}"
+        os.makedirs(src)
+        if fmt == "safetensors":
+            save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(src / "model.safetensors"))
+        else:
+            paddle.save({k: paddle.to_tensor(v) for k, v in state.items()}, str(src / "model_state.pdparams"))
+        json.dump(dict(cfg, model_type="chatglm_v2"), open(src / "config.json", "w"))
+        out = str(tmp_path / f"out-{fmt}")
+        assert convert.main(["--input", str(src), "--output", out]) == 0
+        model = load_model(out)
+        blk = model.transformer.encoder.layers[1]
+        pre = "chatglm_v2.encoder.layers.1."
+        qkv = np.concatenate([state[pre + f"self_attention.{p}.weight"] for p in ("query", "key", "value")], 1)
+        np.testing.assert_array_equal(blk.self_attention.query_key_value.weight.numpy(), qkv)
+        x = rng.standard_normal((3, H)).astype(np.float32)
+        y = x @ state[pre + "mlp.dense_h_to_4h.weight"]
+        silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+        ref = (silu(y[:, 0::2]) * y[:, 1::2]) @ state[pre + "mlp.dense_4h_to_h.weight"]
+        got = blk.mlp(paddle.to_tensor(x)).numpy()
+        assert rel_err(got, ref) <= 1e-5
 
 
 def test_paddlenlp_llama_pdparams_equal_the_transformers_files(tiny_llama, tmp_path):
@@ -171,20 +216,28 @@ def test_paddlenlp_lora_to_peft_matches_merged_weights(tiny_llama, tmp_path):
     assert rel_err(plain, ref) > 1e-3
 
 
-def test_chatglm_lora_names(tmp_path):
+def test_chatglm_lora_names_and_mlp_columns(tmp_path):
+    """ChatGLM2 LoRA: names to THUDM's; dense_h_to_4h's lora_B columns from PaddleNLP's
+    interleaved order [a0 b0 a1 b1 ...] to THUDM's halves [a0 a1 ... | b0 b1 ...]."""
     src = tmp_path / "lora"
     os.makedirs(src)
     q = "chatglm_v2.encoder.layers.0.self_attention.query_key_value"
+    h4 = "chatglm_v2.encoder.layers.1.mlp.dense_h_to_4h"
     a, b = np.ones((64, 2), np.float32), np.full((2, 128), 2.0, np.float32)
-    paddle.save({q + ".lora_A": paddle.to_tensor(a), q + ".lora_B": paddle.to_tensor(b)},
+    b4 = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)       # columns 0..7 in row 0
+    paddle.save({q + ".lora_A": paddle.to_tensor(a), q + ".lora_B": paddle.to_tensor(b),
+                 h4 + ".lora_A": paddle.to_tensor(a), h4 + ".lora_B": paddle.to_tensor(b4)},
                 str(src / "lora_model_state.pdparams"))
     json.dump({"r": 2, "lora_alpha": 4}, open(src / "lora_config.json", "w"))
     out = str(tmp_path / "out")
     assert convert.main(["--input", str(src), "--output", out]) == 0
     st = SafetensorsFile(os.path.join(out, "adapter_model.safetensors"))
     m = "base_model.model.transformer.encoder.layers.0.self_attention.query_key_value"
-    assert sorted(st.keys()) == [m + ".lora_A.weight", m + ".lora_B.weight"]
+    m4 = "base_model.model.transformer.encoder.layers.1.mlp.dense_h_to_4h"
+    assert sorted(st.keys()) == sorted([m + ".lora_A.weight", m + ".lora_B.weight",
+                                        m4 + ".lora_A.weight", m4 + ".lora_B.weight"])
     assert st.shape(m + ".lora_A.weight") == [2, 64] and st.shape(m + ".lora_B.weight") == [128, 2]
+    assert st.get(m4 + ".lora_B.weight")[:, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
@@ -215,6 +268,14 @@ def test_errors_are_clear_and_write_nothing(tmp_path, capsys):
     json.dump({"r": 2}, open(lora / "lora_config.json", "w"))
     assert convert.main(["--input", str(lora), "--output", str(tmp_path / "o3")]) == 2
     assert "not a lora_A/lora_B" in capsys.readouterr().err and not os.path.exists(tmp_path / "o3")
+
+    paddle.save({"chatglm_v2.encoder.layers.0.self_attention.query.lora_A": paddle.zeros([4, 2])},
+                str(lora / "lora_model_state.pdparams"))
+    assert convert.main(["--input", str(lora), "--output", str(tmp_path / "o4")]) == 2
+    assert "separate query/key/value" in capsys.readouterr().err
+
+    assert convert.main(["--input", src, "--output", str(tmp_path / "o5")]) == 2
+    assert "already holds Hugging Face safetensors" in capsys.readouterr().err
 
 
 def test_command_line_warns_about_pickle(tmp_path):

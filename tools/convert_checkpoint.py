@@ -1,16 +1,18 @@
 """Convert pickled checkpoints once into the formats paddletune reads (it never unpickles itself).
 
     python tools/convert_checkpoint.py --input THUDM_DIR --output DIR      # pytorch_model*.bin
-    python tools/convert_checkpoint.py --input PADDLENLP_DIR --output DIR  # model_state*.pdparams
+    python tools/convert_checkpoint.py --input PADDLENLP_DIR --output DIR  # model_state*.pdparams, PaddleNLP safetensors
     python tools/convert_checkpoint.py --input LORA_DIR --output DIR       # lora_model_state.pdparams
 
 - pytorch_model*.bin (THUDM ChatGLM2/3, older HF checkpoints) -> model.safetensors (+ index):
   read with torch.load(weights_only=True), which only rebuilds tensors and plain containers.
   Names and the torch [out, in] layout are kept; the other files (config.json, tokenizer, *.py)
   are copied.
-- PaddleNLP model_state*.pdparams -> HF safetensors: PaddleNLP names ("chatglm_v2.encoder...",
-  "llama.layers...") become HF/THUDM names, Linear weights go from paddle [in, out] to
-  [out, in], config.json gets the HF model_type.
+- PaddleNLP model_state*.pdparams (or its safetensors "unified checkpoint", read without
+  pickle) -> HF safetensors: names ("chatglm_v2.encoder...", "llama.layers...") become HF/THUDM
+  names, Linear weights go from paddle [in, out] to [out, in], config.json gets the HF
+  model_type; ChatGLM2's separate query/key/value are fused and its interleaved dense_h_to_4h
+  columns put back in halves (paddletune/models/paddlenlp.py, --paddlenlp_mlp).
 - PaddleNLP lora_model_state.pdparams + lora_config.json -> HF-PEFT adapter
   (adapter_config.json + adapter_model.safetensors): lora_A [in, r] -> lora_A.weight [r, in],
   lora_B [r, out] -> lora_B.weight [out, r]; scale alpha/r (alpha/sqrt(r) with rslora) kept.
@@ -21,7 +23,7 @@ parameter names and shapes before it appears.
 import argparse
 import fnmatch
 import glob
-import json
+import itertools
 import math
 import os
 import shutil
@@ -30,14 +32,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-
 from paddletune.io import atomic_dir, read_json, write_json  # noqa: E402
-from paddletune.models import hf  # noqa: E402
+from paddletune.models import build_model, get_spec, hf  # noqa: E402
+from paddletune.models import paddlenlp as pnlp  # noqa: E402
 
-# PaddleNLP model_type -> (HF model_type, PaddleNLP name prefix, HF name prefix)
-PADDLENLP = {"chatglm_v2": ("chatglm", "chatglm_v2.", "transformer."),
-             "llama": ("llama", "llama.", "model."), "qwen2": ("qwen2", "qwen2.", "model."),
-             "mistral": ("mistral", "mistral.", "model.")}
 COPY_SKIP = ("*.bin", "*.pdparams", "*.index.json", "*.pdopt", "*.safetensors")
 
 
@@ -114,6 +112,16 @@ def rope_ratio_mode(src, conf, override):
                        "(ChatGLM3/GLM-4) or position (ChatGLM2-6B-32K)")
 
 
+def safetensors_tensors(files):
+    """(name, np.ndarray, dtype name) from PaddleNLP's safetensors (unified checkpoints)."""
+    for path in files:
+        st = hf.SafetensorsFile(path)
+        for name in st.keys():
+            code = st.dtype(name)
+            dt = next((k for k, v in hf.DTYPE_NAMES.items() if v == code), "float32")
+            yield name, st.get(name), dt
+
+
 def plan(src, args):
     """Decide what to convert; every check that can fail on input happens here."""
     if not os.path.isdir(src):
@@ -132,38 +140,31 @@ def plan(src, args):
             if conf.get(key):
                 raise ConvertError(f"lora_config.json: {key}=true has no HF-PEFT equivalent here")
         return "lora", [lora], conf
-    files = shard_files(src, "pytorch_model", "bin")
-    kind = "bin"
+    kind, files = "bin", shard_files(src, "pytorch_model", "bin")
     if not files:
-        files, kind = shard_files(src, "model_state", "pdparams"), "pdparams"
+        kind, files = "pdparams", shard_files(src, "model_state", "pdparams")
+    if not files:
+        files = shard_files(src, "model", "safetensors")
+        if files and not any(pnlp.prefix_of(k) for k in hf.SafetensorsFile(files[0]).keys()):
+            raise ConvertError(f"{src} already holds Hugging Face safetensors; load it directly")
+        kind = "safetensors"
     if not files:
         found = sorted(os.listdir(src))
-        raise ConvertError(f"{src} holds no pytorch_model*.bin, model_state*.pdparams or "
-                           f"lora_model_state.pdparams (found: {', '.join(found[:10]) or 'nothing'})")
-    if glob.glob(os.path.join(src, "*.safetensors")):
-        raise ConvertError(f"{src} already has *.safetensors weights; load it directly")
+        raise ConvertError(f"{src} holds no pytorch_model*.bin, model_state*.pdparams, PaddleNLP "
+                           "safetensors or lora_model_state.pdparams (found: "
+                           f"{', '.join(found[:10]) or 'nothing'})")
     conf = read_json(os.path.join(src, "config.json"), "config.json")
-    if kind == "pdparams":
-        mt = conf.get("model_type")
-        if mt not in PADDLENLP:
-            raise ConvertError(f"{src}/config.json: PaddleNLP model_type {mt!r} is not known to "
-                               f"this tool; known: {sorted(PADDLENLP)}")
-        conf = dict(conf, model_type=PADDLENLP[mt][0])
-    from paddletune.models import get_spec
-
-    spec = get_spec(conf.get("model_type", "llama"))
+    if kind != "bin":
+        conf = pnlp.hf_config(conf)
     mode = rope_ratio_mode(src, conf, args.rope_ratio_mode)
-    conf = dict(conf, architectures=conf.get("architectures") if kind == "bin" else list(spec.architectures))
     if mode:
         conf["rope_ratio_mode"] = mode
-    spec.config_cls.from_dict(conf)   # the converted config must load here
+    get_spec(conf.get("model_type", "llama")).config_cls.from_dict(conf)  # must load here
     return kind, files, conf
 
 
 def check_against_model(conf, shapes):
     """The written tensors must be exactly the model's parameters, in HF layout."""
-    from paddletune.models import build_model, get_spec
-
     spec = get_spec(conf["model_type"])
     model = build_model(conf)   # lazy: no weights allocated
     for name, p in model.named_parameters():
@@ -174,78 +175,62 @@ def check_against_model(conf, shapes):
             raise ConvertError(f"{name}: converted shape {shapes[name]}, the model expects {want}")
 
 
-def out_dtype(args, first):
-    return first if args.dtype == "auto" else args.dtype
+def source_dtype(args, first):
+    if args.dtype != "auto":
+        return args.dtype
+    return first if first in hf.DTYPE_NAMES else "float32"
 
 
 def convert_model(src, kind, files, conf, args, tmp):
-    from paddletune.models import get_spec
+    reader = {"bin": torch_tensors, "pdparams": paddle_tensors,
+              "safetensors": safetensors_tensors}[kind](files)
+    dtypes, shapes = [], {}
 
-    spec = get_spec(conf["model_type"])
-    shapes, seen = {}, {}
-    pre = PADDLENLP.get(read_json(os.path.join(src, "config.json")).get("model_type"), (None, None, None))
-
-    def tensors():
-        reader = torch_tensors(files) if kind == "bin" else paddle_tensors(files)
+    def arrays():
         for name, arr, dt in reader:
-            seen.setdefault("dtype", dt)
-            if kind == "pdparams":
-                if pre[1] and name.startswith(pre[1]):
-                    name = pre[2] + name[len(pre[1]):]
-                arr = hf.to_hf_layout(spec, name, arr)
+            dtypes.append(dt)
+            yield name, arr
+
+    stream = arrays() if kind == "bin" else pnlp.to_hf(arrays(), conf["model_type"], args.paddlenlp_mlp)
+    first = next(stream, None)   # the source dtype decides "auto"
+    if first is None:
+        raise ConvertError(f"{files[0]} holds no tensors")
+    dtype = source_dtype(args, dtypes[0])
+
+    def recorded():
+        for name, arr in itertools.chain([first], stream):
             shapes[name] = list(arr.shape)
             yield name, arr
 
-    gen = tensors()
-    first = next(gen, None)   # the source dtype decides "auto"
-    if first is None:
-        raise ConvertError(f"{files[0]} holds no tensors")
-    dtype = out_dtype(args, seen["dtype"] if seen["dtype"] in hf.DTYPE_NAMES else "float32")
-
-    def chain():
-        yield first
-        yield from gen
-
-    hf.write_weights(tmp, chain(), args.max_shard_size, dtype)
+    hf.write_weights(tmp, recorded(), args.max_shard_size, dtype)
     check_against_model(conf, shapes)
     for name in os.listdir(src):
         full = os.path.join(src, name)
         if os.path.isfile(full) and not any(fnmatch.fnmatch(name, p) for p in COPY_SKIP):
             shutil.copyfile(full, os.path.join(tmp, name))
-    conf = dict(conf)
-    if kind == "pdparams":
-        conf.setdefault("torch_dtype", dtype)
     write_json(os.path.join(tmp, "config.json"), conf)
     return len(shapes), dtype
 
 
 def convert_lora(files, conf, args, tmp):
-    tensors, modules, first = {}, set(), None
-    for name, arr, dt in paddle_tensors(files):
-        first = first or dt
-        head, _, leaf = name.rpartition(".")
-        if leaf not in ("lora_A", "lora_B"):
-            raise ConvertError(f"{files[0]}: {name} is not a lora_A/lora_B matrix; only plain "
-                               "LoRA adapters convert to HF-PEFT")
-        prefix = next((p for p in PADDLENLP.values() if head.startswith(p[1])), None)
-        if prefix is None:
-            raise ConvertError(f"{files[0]}: {name} has no known PaddleNLP model prefix "
-                               f"({', '.join(p[1] for p in PADDLENLP.values())})")
-        module = prefix[2] + head[len(prefix[1]):]
-        modules.add(module)
-        tensors[f"base_model.model.{module}.{leaf}.weight"] = np.ascontiguousarray(arr.T)
     r = int(conf.get("r", 8))
-    for m in sorted(modules):
-        a, b = (tensors.get(f"base_model.model.{m}.lora_{x}.weight") for x in "AB")
-        if a is None or b is None or a.shape[0] != r or b.shape[1] != r:
-            raise ConvertError(f"{m}: needs lora_A [in, {r}] and lora_B [{r}, out] (r from "
-                               "lora_config.json)")
-    dtype = out_dtype(args, first if first in hf.DTYPE_NAMES else "float32")
+    dtypes = []
+
+    def arrays():
+        for name, arr, dt in paddle_tensors(files):
+            dtypes.append(dt)
+            yield name, arr
+
+    try:
+        tensors, modules = pnlp.lora_to_peft(arrays(), r, args.paddlenlp_mlp)
+    except ValueError as e:
+        raise ConvertError(f"{files[0]}: {e}") from None
+    dtype = source_dtype(args, dtypes[0] if dtypes else "float32")
     hf.write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors, dtype=dtype)
     alpha = conf.get("lora_alpha", r)
     adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
                "lora_dropout": float(conf.get("lora_dropout", 0.0)),
-               "use_rslora": bool(conf.get("rslora", False)), "target_modules": sorted(modules),
+               "use_rslora": bool(conf.get("rslora", False)), "target_modules": modules,
                "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
                "init_lora_weights": True, "modules_to_save": None,
                "base_model_name_or_path": conf.get("base_model_name_or_path")}
@@ -263,12 +248,16 @@ def main(argv=None):
     ap.add_argument("--max_shard_size", default="5GB", help="split model weights into shards of this size")
     ap.add_argument("--rope_ratio_mode", choices=["base", "position"], default=None,
                     help="ChatGLM rope_ratio meaning when modeling_chatglm.py is absent")
+    ap.add_argument("--paddlenlp_mlp", choices=["interleaved", "halves"], default="interleaved",
+                    help="column order of PaddleNLP ChatGLM2 dense_h_to_4h: interleaved (PaddleNLP's "
+                         "tensor-parallel layout, the default) or halves (THUDM's, older releases)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     args = ap.parse_args(argv)
     try:
         kind, files, conf = plan(args.input, args)
-        what = "torch.load(weights_only=True)" if kind == "bin" else "paddle.load, which unpickles"
-        warn(f"reading {len(files)} pickle file(s) with {what}: convert only files you trust")
+        if kind in ("bin", "pdparams", "lora"):
+            what = "torch.load(weights_only=True)" if kind == "bin" else "paddle.load, which unpickles"
+            warn(f"reading {len(files)} pickle file(s) with {what}: convert only files you trust")
         with atomic_dir(args.output) as tmp:
             if kind == "lora":
                 n, dtype, scale = convert_lora(files, conf, args, tmp)
