@@ -159,3 +159,39 @@ def test_shipped_tokenizer_regenerates(tmp_path):
         [b.id_to_piece(i) for i in range(b.get_piece_size())]
     assert json.load(open(os.path.join(out, "tokenizer_config.json"))) == \
         json.load(open(os.path.join(shipped, "tokenizer_config.json")))
+
+
+def test_chatglm2_template_hand_worked(glm2):
+    """The built-in chatglm2 template (data/chat_template.py) gives the hand-worked prompt ids;
+    a training row labels the answer and the EOS (</s> = 2) only."""
+    from paddletune.data.chat_template import load_template
+    from paddletune.data.sft import tokenize_conversation
+
+    msgs = [{"role": "user", "content": "你好"}]
+    assert glm2.apply_chat_template(msgs, add_generation_prompt=True, chat_template="chatglm2") == \
+        [GMASK, SOP, 3, 4, 5, 6, 8, 9, 10, 6, 11, 9]
+    ids, labels = tokenize_conversation(glm2, load_template("chatglm2"),
+                                        msgs + [{"role": "assistant", "content": "hi"}], 64, 128)
+    assert ids == [GMASK, SOP, 3, 4, 5, 6, 8, 9, 10, 6, 11, 9, 14, 2]
+    assert labels == [-100] * 12 + [14, 2]
+
+
+def test_chatglm3_template_hand_worked(glm3):
+    """The built-in chatglm3 template gives THUDM's build_chat_input ids (worked out above); in
+    training the answer "\\n hello" (13 18) and EOS are labelled, the role tokens are not."""
+    from paddletune.data.chat_template import load_template
+    from paddletune.data.sft import tokenize_conversation
+
+    msgs = [{"role": "system", "content": "You are GLM."}, {"role": "user", "content": "hi"}]
+    assert glm3.apply_chat_template(msgs, add_generation_prompt=True, chat_template="chatglm3") == \
+        [GMASK, SOP, SYSTEM, 13, 15, 16, 17, 19, USER, 13, 14, ASSISTANT]
+    ids, labels = tokenize_conversation(glm3, load_template("chatglm3"),
+                                        msgs + [{"role": "assistant", "content": "hello"}], 64, 128)
+    assert ids == [GMASK, SOP, SYSTEM, 13, 15, 16, 17, 19, USER, 13, 14, ASSISTANT, 13, 18, 2]
+    assert labels == [-100] * 12 + [13, 18, 2]
+    # THUDM's own tokenizer_config template writes the prefix itself: not doubled
+    thudm = ("{% for m in messages %}{% if loop.first %}[gMASK]sop<|{{ m['role'] }}|>\n {{ m['content'] }}"
+             "{% else %}<|{{ m['role'] }}|>\n {{ m['content'] }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    assert glm3.apply_chat_template(msgs, add_generation_prompt=True, chat_template=thudm) == \
+        [GMASK, SOP, SYSTEM, 13, 15, 16, 17, 19, USER, 13, 14, ASSISTANT]
