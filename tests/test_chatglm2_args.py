@@ -46,6 +46,10 @@ def test_sft_argument_file_runs(tmp_path):
     out, res = run_args("sft", tmp_path)
     saved = json.load(open(os.path.join(out, "config.json")))
     assert saved["model_type"] == "chatglm" and os.path.exists(os.path.join(out, "tokenizer.model"))
+    from paddletune.tokenizer import Tokenizer   # the ChatGLM2 prompt format travels with the model
+    tok = Tokenizer(out)
+    assert type(tok).__name__ == "ChatGLMTokenizer"
+    assert tok.apply_chat_template("hi", add_generation_prompt=True, tokenize=False) == "[Round 1]\n\n问：hi\n\n答："
     logs = [json.loads(l) for l in open(os.path.join(out, "train_log.jsonl"))]
     losses = [r["loss"] for r in logs if "loss" in r]
     assert len(losses) == 2 and np.isfinite(losses).all()

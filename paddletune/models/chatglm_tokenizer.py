@@ -15,8 +15,9 @@ Difference from THUDM's ChatGLM2 code: there, a literal "[gMASK]" typed inside t
 encoded as characters; here it is the special token (as in ChatGLM3's tokenizer_config).
 
 Selected by tokenizer_config.json `"tokenizer_class": "ChatGLMTokenizer"` (see tokenizer.py).
-ChatGLM3 is recognised by role tokens in tokenizer_config.json (added_tokens_decoder or
-chat_template), or else by `<|observation|>` in the checkpoint's tokenization_chatglm.py.
+ChatGLM3 is recognised by role tokens in tokenizer_config.json's added_tokens_decoder, or else
+by `<|observation|>` in the checkpoint's tokenization_chatglm.py (a chat template is no evidence:
+one may be set for training on any tokenizer).
 """
 import json
 import os
@@ -35,8 +36,6 @@ def is_chatglm3(path, config):
     """True when the tokenizer in `path` (with tokenizer_config `config`) has ChatGLM3's roles."""
     decl = config.get("added_tokens_decoder") or {}
     if any(isinstance(t, dict) and t.get("content") in ROLES for t in decl.values()):
-        return True
-    if "<|user|>" in json.dumps(config.get("chat_template") or ""):
         return True
     code = os.path.join(path, REMOTE_CODE)
     if os.path.exists(code):
