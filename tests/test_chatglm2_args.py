@@ -53,3 +53,19 @@ def test_sft_argument_file_runs(tmp_path):
     logs = [json.loads(l) for l in open(os.path.join(out, "train_log.jsonl"))]
     losses = [r["loss"] for r in logs if "loss" in r]
     assert len(losses) == 2 and np.isfinite(losses).all()
+
+
+def test_lora_argument_file_runs(tmp_path):
+    out, _ = run_args("lora", tmp_path)
+    conf = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert conf["peft_type"] == "LORA" and conf["base_model_name_or_path"] == "paddletune/tiny-chatglm2"
+    assert sorted(conf["target_modules"]) == ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))   # the adapter only
+
+
+def test_pt_argument_file_runs(tmp_path):
+    out, _ = run_args("pt", tmp_path)
+    conf = json.load(open(os.path.join(out, "adapter_config.json")))
+    # 4 blocks x multi_query_group_num 2 key/value heads x kv_channels 32 (the built-in model)
+    assert conf["peft_type"] == "PREFIX_TUNING" and conf["num_virtual_tokens"] == 16
+    assert (conf["num_layers"], conf["num_attention_heads"], conf["token_dim"]) == (4, 2, 64)

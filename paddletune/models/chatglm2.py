@@ -254,7 +254,8 @@ class ChatGLM2ForCausalLM(nn.Layer):
     """forward(input_ids [B, S], attention_mask [B, past+S] (1 = real), position_ids [B, S],
     labels [B, S] (-100 = ignore), cache (KVCache/PrefixCache), segment_ids [B, S] for packed
     rows) -> CausalLMOutput; logits are padded_vocab_size wide. Positions start at
-    cache.length with a cache, else 0 (THUDM numbers positions 0..S-1 even under left padding)."""
+    cache.length with a cache (learned prefixes included, as for every model here), else 0
+    (THUDM numbers positions 0..S-1 even under left padding)."""
 
     def __init__(self, cfg: ChatGLM2Config):
         super().__init__()
@@ -263,6 +264,9 @@ class ChatGLM2ForCausalLM(nn.Layer):
         self.transformer = ChatGLM2Model(cfg)
         self.recompute = False          # activation recomputation per block (training)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+        # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
+        # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
+        self.cache_hook = None
 
     def head(self, h):
         return self.transformer.output_layer(h)
@@ -275,6 +279,8 @@ class ChatGLM2ForCausalLM(nn.Layer):
     def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, cache=None,
                 segment_ids=None, return_hidden=False):
         B, S = input_ids.shape
+        if cache is None and self.cache_hook is not None:
+            cache, attention_mask = self.cache_hook(attention_mask)
         past = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
@@ -335,5 +341,6 @@ SPEC = register(ModelSpec(
     not_linear=("transformer.embedding.word_embeddings.weight",),
     lora_targets=(r".*\.query_key_value$", r".*\.dense$", r".*\.dense_h_to_4h$",
                   r".*\.dense_4h_to_h$"),
-    tp_plan=dict(_TP_PLAN), prefix_layout=_prefix_layout, tiny_config=_TINY,
+    tp_plan=dict(_TP_PLAN), prefix_layout=_prefix_layout,
+    adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"), tiny_config=_TINY,
     default_chat_template="chatglm2"))
