@@ -141,3 +141,19 @@ def test_prefix_tuning_learns_copy_task(tmp_path):
     Trainer(model, training_args(tmp_path, max_steps=150, learning_rate=3e-2), train_dataset=data,
             trainable=setup.trainable, export_fn=lambda d: None).train()
     assert token_accuracy(model, data) == 1.0
+
+
+def test_merged_lora_checkpoint_equals_the_unmerged_model(tmp_path):
+    """peft.merge_lora (llm/merge_lora_params.py) on a ChatGLM2 adapter: the merged THUDM-layout
+    checkpoint gives the logits of base + adapter."""
+    path, _ = glm_checkpoint(tmp_path / "glm")
+    model = load_model(path)
+    setup = peft.apply(model, margs(path, lora=True, lora_rank=4))
+    randomize(setup.trainable, seed=2)
+    x = np.random.default_rng(2).integers(3, VOCAB, (2, 10))
+    ours = logits(model, x)
+    setup.export_fn(str(tmp_path / "adapter"))
+    out = peft.merge_lora(str(tmp_path / "adapter"), str(tmp_path / "merged"), base_path=path)
+    merged = load_model(out)
+    assert type(merged).__name__ == "ChatGLM2ForCausalLM"
+    assert rel_err(logits(merged, x), ours) <= 1e-5
