@@ -29,7 +29,23 @@ def _content(tok):
     return tok
 
 
+def _tokenizer_class(path):
+    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class, where one is needed:
+    ChatGLM numbers its special tokens after the sentencepiece vocabulary."""
+    conf = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(conf) and read_json(conf).get("tokenizer_class") == "ChatGLMTokenizer":
+        from .models.chatglm_tokenizer import ChatGLMTokenizer
+
+        return ChatGLMTokenizer
+    return Tokenizer
+
+
 class Tokenizer:
+    def __new__(cls, path, *args, **kwargs):
+        if cls is Tokenizer:
+            cls = _tokenizer_class(path)
+        return super().__new__(cls)
+
     def __init__(self, path):
         self.path = path
         self.config = self._read_optional("tokenizer_config.json")

@@ -15,7 +15,7 @@ def test_make_tiny_checkpoint_is_deterministic_and_loads_in_transformers(tmp_pat
 
     tool = os.path.join(ROOT, "tools", "make_tiny_checkpoint.py")
     for name in ("a", "b"):
-        r = run_script([tool, "--model_type", "qwen2", "--output", str(tmp_path / name), "--set", "hidden_size=48"])
+        r = run_script([tool, "--model_type", "qwen2", "--output", str(tmp_path / name), "--config", "{\"hidden_size\": 48}"])
         assert r.returncode == 0, r.stderr[-2000:]
     assert digest(tmp_path / "a" / "model.safetensors") == digest(tmp_path / "b" / "model.safetensors")
     m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"))

@@ -86,7 +86,8 @@ def load_weights(model, path, spec=None, reader=None, params=None):
                              f"checkpoint, the model expects {expect} (paddle layout)")
     for name, p in params.items():
         p.set_value(hf.read_slice(reader, spec, name).astype(np.float32))
-    extra = [k for k in reader.keys() if k not in params and not k.endswith("rotary_emb.inv_freq")]
+    # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
+    extra = [k for k in reader.keys() if k not in params and not k.endswith("inv_freq")]
     if extra:
         logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
     return model

@@ -26,7 +26,10 @@ BUILTIN = {
     "paddletune/tiny-qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=352,
                                            num_hidden_layers=4, num_attention_heads=4,
                                            num_key_value_heads=2, max_position_embeddings=1024)),
-    "paddletune/tiny-chatglm2": ("chatglm", {}),
+    "paddletune/tiny-chatglm2": ("chatglm", dict(num_layers=4, hidden_size=128, ffn_hidden_size=352,
+                                                kv_channels=32, num_attention_heads=4,
+                                                multi_query_group_num=2, seq_length=1024,
+                                                tokenizer="tiny-chatglm-tokenizer")),
 }
 
 
@@ -98,7 +101,9 @@ def make_tiny_checkpoint(out_dir, model_type="llama", seed=0, tokenizer_dir=TINY
 def builtin_model_dir(name):
     """Directory of built-in model `name`, generating it on first use (atomic rename)."""
     model_type, overrides = BUILTIN[name]
-    key = json.dumps([model_type, overrides, _tokenizer_digest()], sort_keys=True)
+    overrides = dict(overrides)
+    tok_dir = os.path.join(ASSETS, overrides.pop("tokenizer", "tiny-tokenizer"))
+    key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir)], sort_keys=True)
     tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
     path = os.path.join(home, f"{name.split('/')[-1]}-{tag}")
@@ -106,7 +111,7 @@ def builtin_model_dir(name):
         return path
     tmp = temp_dir_beside(path)
     try:
-        make_tiny_checkpoint(tmp, model_type, seed=0, **overrides)
+        make_tiny_checkpoint(tmp, model_type, seed=0, tokenizer_dir=tok_dir, **overrides)
         try:
             os.rename(tmp, path)
         except OSError:  # another process finished first; its copy is identical
@@ -116,8 +121,9 @@ def builtin_model_dir(name):
     return path
 
 
-def _tokenizer_digest():
-    with open(os.path.join(TINY_TOKENIZER, "tokenizer.json"), "rb") as f:
+def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
+    name = "tokenizer.json" if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else "tokenizer.model"
+    with open(os.path.join(tok_dir, name), "rb") as f:
         return hashlib.sha1(f.read()).hexdigest()[:10]
 
 

@@ -1,0 +1,275 @@
+"""Convert pickled checkpoints once into the formats paddletune reads (it never unpickles itself).
+
+    python tools/convert_checkpoint.py --input THUDM_DIR --output DIR      # pytorch_model*.bin
+    python tools/convert_checkpoint.py --input PADDLENLP_DIR --output DIR  # model_state*.pdparams, PaddleNLP safetensors
+    python tools/convert_checkpoint.py --input LORA_DIR --output DIR       # lora_model_state.pdparams
+
+- pytorch_model*.bin (THUDM ChatGLM2/3, older HF checkpoints) -> model.safetensors (+ index):
+  read with torch.load(weights_only=True), which only rebuilds tensors and plain containers.
+  Names and the torch [out, in] layout are kept; the other files (config.json, tokenizer, *.py)
+  are copied.
+- PaddleNLP model_state*.pdparams (or its safetensors "unified checkpoint", read without
+  pickle) -> HF safetensors: names ("chatglm_v2.encoder...", "llama.layers...") become HF/THUDM
+  names, Linear weights go from paddle [in, out] to [out, in], config.json gets the HF
+  model_type; ChatGLM2's separate query/key/value are fused and its interleaved dense_h_to_4h
+  columns put back in halves (paddletune/models/paddlenlp.py, --paddlenlp_mlp).
+- PaddleNLP lora_model_state.pdparams + lora_config.json -> HF-PEFT adapter
+  (adapter_config.json + adapter_model.safetensors): lora_A [in, r] -> lora_A.weight [r, in],
+  lora_B [r, out] -> lora_B.weight [out, r]; scale alpha/r (alpha/sqrt(r) with rslora) kept.
+paddle.load unpickles arbitrary objects: use the .pdparams routes only on files you trust.
+The output directory appears only when complete, and is checked against the model's own
+parameter names and shapes before it appears.
+"""
+import argparse
+import fnmatch
+import glob
+import itertools
+import math
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from paddletune.io import atomic_dir, read_json, write_json  # noqa: E402
+from paddletune.models import build_model, get_spec, hf  # noqa: E402
+from paddletune.models import paddlenlp as pnlp  # noqa: E402
+
+COPY_SKIP = ("*.bin", "*.pdparams", "*.index.json", "*.pdopt", "*.safetensors")
+
+
+class ConvertError(ValueError):
+    pass
+
+
+def warn(msg):
+    print(f"WARNING: {msg}", file=sys.stderr)
+
+
+def shard_files(src, base, ext):
+    """[paths] of `base`.`ext`, or of the shards named by `base`.`ext`.index.json, or of
+    `base`-*.`ext` (sorted)."""
+    index = os.path.join(src, f"{base}.{ext}.index.json")
+    if os.path.exists(index):
+        names = sorted(set(read_json(index, "index")["weight_map"].values()))
+        missing = [n for n in names if not os.path.exists(os.path.join(src, n))]
+        if missing:
+            raise ConvertError(f"{index} names {missing[0]}, which is missing from {src}")
+        return [os.path.join(src, n) for n in names]
+    single = os.path.join(src, f"{base}.{ext}")
+    return [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(src, f"{base}-*.{ext}")))
+
+
+def torch_tensors(files):
+    """(name, np.ndarray, dtype name) from .bin files, one file in memory at a time."""
+    try:
+        import torch
+    except ImportError:
+        raise ConvertError("reading pytorch_model*.bin needs torch: pip install torch (CPU is "
+                           "enough); it is used by this tool only") from None
+    for path in files:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:   # legacy (non-zip) serialisation cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        for name, t in state.items():
+            dt = str(t.dtype).replace("torch.", "")
+            yield name, (t.float() if dt == "bfloat16" else t).contiguous().numpy(), dt
+        del state
+
+
+def paddle_tensors(files):
+    """(name, np.ndarray, dtype name) from .pdparams files (paddle.load unpickles)."""
+    import paddle
+
+    for path in files:
+        state = paddle.load(path)
+        for name, t in state.items():
+            if not isinstance(t, paddle.Tensor):
+                t = paddle.to_tensor(np.asarray(t))
+            dt = str(t.dtype).replace("paddle.", "")
+            yield name, (t.astype("float32") if dt == "bfloat16" else t).numpy(), dt
+        del state
+
+
+def rope_ratio_mode(src, conf, override):
+    """ChatGLM's rope_ratio scales the rope base (ChatGLM3/GLM-4) or the positions (ChatGLM2-32K);
+    the checkpoint's modeling_chatglm.py says which."""
+    if conf.get("model_type") not in ("chatglm", "chatglm_v2") or float(conf.get("rope_ratio", 1) or 1) == 1:
+        return None
+    if override or conf.get("rope_ratio_mode"):
+        return override or conf["rope_ratio_mode"]
+    code = os.path.join(src, "modeling_chatglm.py")
+    if os.path.exists(code):
+        text = open(code, encoding="utf-8", errors="replace").read()
+        if "base = base * self.rope_ratio" in text:
+            return "base"
+        if "/ self.rope_ratio" in text:
+            return "position"
+    raise ConvertError(f"{src}/config.json has rope_ratio={conf['rope_ratio']} and no "
+                       "modeling_chatglm.py to tell its meaning; pass --rope_ratio_mode base "
+                       "(ChatGLM3/GLM-4) or position (ChatGLM2-6B-32K)")
+
+
+def safetensors_tensors(files):
+    """(name, np.ndarray, dtype name) from PaddleNLP's safetensors (unified checkpoints)."""
+    for path in files:
+        st = hf.SafetensorsFile(path)
+        for name in st.keys():
+            code = st.dtype(name)
+            dt = next((k for k, v in hf.DTYPE_NAMES.items() if v == code), "float32")
+            yield name, st.get(name), dt
+
+
+def plan(src, args):
+    """Decide what to convert; every check that can fail on input happens here."""
+    if not os.path.isdir(src):
+        raise ConvertError(f"--input {src} is not a directory")
+    if os.path.abspath(src) == os.path.abspath(args.output):
+        raise ConvertError("--output must differ from --input")
+    if os.path.exists(args.output) and os.listdir(args.output) and not args.overwrite:
+        raise ConvertError(f"--output {args.output} exists and is not empty; pass --overwrite "
+                           "to replace it")
+    lora = os.path.join(src, "lora_model_state.pdparams")
+    if os.path.exists(lora):
+        if not os.path.exists(os.path.join(src, "lora_config.json")):
+            raise ConvertError(f"{src} has lora_model_state.pdparams but no lora_config.json")
+        conf = read_json(os.path.join(src, "lora_config.json"), "lora_config.json")
+        for key in ("pissa", "lora_use_mixer", "use_mora"):
+            if conf.get(key):
+                raise ConvertError(f"lora_config.json: {key}=true has no HF-PEFT equivalent here")
+        return "lora", [lora], conf
+    kind, files = "bin", shard_files(src, "pytorch_model", "bin")
+    if not files:
+        kind, files = "pdparams", shard_files(src, "model_state", "pdparams")
+    if not files:
+        files = shard_files(src, "model", "safetensors")
+        if files and not any(pnlp.prefix_of(k) for k in hf.SafetensorsFile(files[0]).keys()):
+            raise ConvertError(f"{src} already holds Hugging Face safetensors; load it directly")
+        kind = "safetensors"
+    if not files:
+        found = sorted(os.listdir(src))
+        raise ConvertError(f"{src} holds no pytorch_model*.bin, model_state*.pdparams, PaddleNLP "
+                           "safetensors or lora_model_state.pdparams (found: "
+                           f"{', '.join(found[:10]) or 'nothing'})")
+    conf = read_json(os.path.join(src, "config.json"), "config.json")
+    if kind != "bin":
+        conf = pnlp.hf_config(conf)
+    mode = rope_ratio_mode(src, conf, args.rope_ratio_mode)
+    if mode:
+        conf["rope_ratio_mode"] = mode
+    get_spec(conf.get("model_type", "llama")).config_cls.from_dict(conf)  # must load here
+    return kind, files, conf
+
+
+def check_against_model(conf, shapes):
+    """The written tensors must be exactly the model's parameters, in HF layout."""
+    spec = get_spec(conf["model_type"])
+    model = build_model(conf)   # lazy: no weights allocated
+    for name, p in model.named_parameters():
+        if name not in shapes:
+            raise ConvertError(f"converted checkpoint lacks {name}; is config.json from the same model?")
+        want = list(p.shape)[::-1] if hf.is_linear_weight(spec, name, len(p.shape)) else list(p.shape)
+        if shapes[name] != want:
+            raise ConvertError(f"{name}: converted shape {shapes[name]}, the model expects {want}")
+
+
+def source_dtype(args, first):
+    if args.dtype != "auto":
+        return args.dtype
+    return first if first in hf.DTYPE_NAMES else "float32"
+
+
+def convert_model(src, kind, files, conf, args, tmp):
+    reader = {"bin": torch_tensors, "pdparams": paddle_tensors,
+              "safetensors": safetensors_tensors}[kind](files)
+    dtypes, shapes = [], {}
+
+    def arrays():
+        for name, arr, dt in reader:
+            dtypes.append(dt)
+            yield name, arr
+
+    stream = arrays() if kind == "bin" else pnlp.to_hf(arrays(), conf["model_type"], args.paddlenlp_mlp)
+    first = next(stream, None)   # the source dtype decides "auto"
+    if first is None:
+        raise ConvertError(f"{files[0]} holds no tensors")
+    dtype = source_dtype(args, dtypes[0])
+
+    def recorded():
+        for name, arr in itertools.chain([first], stream):
+            shapes[name] = list(arr.shape)
+            yield name, arr
+
+    hf.write_weights(tmp, recorded(), args.max_shard_size, dtype)
+    check_against_model(conf, shapes)
+    for name in os.listdir(src):
+        full = os.path.join(src, name)
+        if os.path.isfile(full) and not any(fnmatch.fnmatch(name, p) for p in COPY_SKIP):
+            shutil.copyfile(full, os.path.join(tmp, name))
+    write_json(os.path.join(tmp, "config.json"), conf)
+    return len(shapes), dtype
+
+
+def convert_lora(files, conf, args, tmp):
+    r = int(conf.get("r", 8))
+    dtypes = []
+
+    def arrays():
+        for name, arr, dt in paddle_tensors(files):
+            dtypes.append(dt)
+            yield name, arr
+
+    try:
+        tensors, modules = pnlp.lora_to_peft(arrays(), r, args.paddlenlp_mlp)
+    except ValueError as e:
+        raise ConvertError(f"{files[0]}: {e}") from None
+    dtype = source_dtype(args, dtypes[0] if dtypes else "float32")
+    hf.write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors, dtype=dtype)
+    alpha = conf.get("lora_alpha", r)
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+               "lora_dropout": float(conf.get("lora_dropout", 0.0)),
+               "use_rslora": bool(conf.get("rslora", False)), "target_modules": modules,
+               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+               "init_lora_weights": True, "modules_to_save": None,
+               "base_model_name_or_path": conf.get("base_model_name_or_path")}
+    write_json(os.path.join(tmp, "adapter_config.json"), adapter)
+    scale = alpha / (math.sqrt(r) if adapter["use_rslora"] else r)
+    return len(tensors), dtype, scale
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input", required=True, help="directory with the pickled checkpoint")
+    ap.add_argument("--output", required=True, help="new directory to write")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the written float tensors (auto: as the source)")
+    ap.add_argument("--max_shard_size", default="5GB", help="split model weights into shards of this size")
+    ap.add_argument("--rope_ratio_mode", choices=["base", "position"], default=None,
+                    help="ChatGLM rope_ratio meaning when modeling_chatglm.py is absent")
+    ap.add_argument("--paddlenlp_mlp", choices=["interleaved", "halves"], default="interleaved",
+                    help="column order of PaddleNLP ChatGLM2 dense_h_to_4h: interleaved (PaddleNLP's "
+                         "tensor-parallel layout, the default) or halves (THUDM's, older releases)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    args = ap.parse_args(argv)
+    try:
+        kind, files, conf = plan(args.input, args)
+        if kind in ("bin", "pdparams", "lora"):
+            what = "torch.load(weights_only=True)" if kind == "bin" else "paddle.load, which unpickles"
+            warn(f"reading {len(files)} pickle file(s) with {what}: convert only files you trust")
+        with atomic_dir(args.output) as tmp:
+            if kind == "lora":
+                n, dtype, scale = convert_lora(files, conf, args, tmp)
+                print(f"wrote HF-PEFT adapter: {n} tensors ({dtype}), scale {scale:g} -> {args.output}")
+            else:
+                n, dtype = convert_model(args.input, kind, files, conf, args, tmp)
+                print(f"wrote {n} tensors ({dtype}) as safetensors -> {args.output}")
+    except (ConvertError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
