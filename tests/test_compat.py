@@ -16,9 +16,6 @@ TINY = {"llama": "paddletune/tiny-llama", "chatglm2": "paddletune/tiny-chatglm2"
 PENDING = {  # file -> the issue whose feature it needs
     "llama/qlora_argument.json": "issue 7 (nf4 backbone)",
     "llama/wint8_lora_argument.json": "issue 7 (weight_only_int8 backbone)",
-    "chatglm2/sft_argument.json": "issue 8 (ChatGLM2)",
-    "chatglm2/lora_argument.json": "issue 8 (ChatGLM2)",
-    "chatglm2/pt_argument.json": "issue 8 (ChatGLM2)",
 }
 ALLOWED = {"model_name_or_path", "dataset_name_or_path", "output_dir", "max_steps", "src_length",
            "max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
