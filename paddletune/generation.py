@@ -291,7 +291,7 @@ def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache
     ids, mask, pos, lengths = _prepare(prompts, cfg, P, pad)
     B, L, N = ids.shape[0], ids.shape[1], cfg.max_new_tokens
     rng = np.random.default_rng(cfg.seed if cfg.seed is not None else np.random.randint(2**31))
-    uniforms = 1.0 - rng.random((N, B)) if cfg.decode_strategy == "sampling" else None
+    uniforms = 1.0 - rng.random((B, N)).T if cfg.decode_strategy == "sampling" else None
     seen = None
     if cfg.repetition_penalty != 1.0:
         seen = np.zeros((B, model.config.vocab_size), np.float32)
