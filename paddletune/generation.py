@@ -347,3 +347,91 @@ def decode_output(tokenizer, ids, stops=(), eos=()):
     text = tokenizer.decode(ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stops if s in text]
     return text[:min(cuts)] if cuts else text
+
+
+# ------------------------------------------------------------------------------ loading, pipeline
+
+def checkpoint_defaults(path, tokenizer):
+    """GenerationConfig fields a checkpoint implies: eos ids = generation_config.json's
+    eos_token_id (an id or a list, e.g. Llama-3 / Qwen2 end-of-turn ids) plus the tokenizer's
+    eos; pad = the tokenizer's pad."""
+    import os
+
+    from .io import read_json
+
+    gen = os.path.join(path, "generation_config.json") if path else ""
+    eos = read_json(gen).get("eos_token_id") if gen and os.path.isfile(gen) else None
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
+
+
+def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None):
+    """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
+    built-in name or an already built model; LoRA or prefix weights are loaded on top."""
+    from .models import load_model, resolve_model_path
+    from .tokenizer import load_tokenizer
+
+    path = None
+    if isinstance(model, str):
+        path = resolve_model_path(model)
+        model = load_model(path)
+    else:
+        path = getattr(model, "name_or_path", None)
+    if tokenizer is None or isinstance(tokenizer, str):
+        if tokenizer is None and path is None:
+            raise ValueError("pass tokenizer= (a Tokenizer or its directory) with an in-memory model")
+        tokenizer = load_tokenizer(tokenizer or path)
+    if lora_path or prefix_path:
+        model = _load_adapters(model, lora_path, prefix_path)
+    model.eval()
+    return model, tokenizer, path
+
+
+def _load_adapters(model, lora_path, prefix_path):
+    raise NotImplementedError("lora_path / prefix_path need the PEFT issue, not merged here yet")
+
+
+class TextGenerationPipeline:
+    """pipe(text or [texts], **generation overrides) -> [{"generated_text": str}] per input
+    (a list of such lists for a list of inputs), as transformers' text-generation pipeline:
+    `return_full_text=True` (default) puts the prompt in front of the completion.
+    A string is fed as raw text (the tokenizer's BOS rule applies); prompts are batched
+    `batch_size` at a time with left padding."""
+
+    def __init__(self, model, tokenizer, config, batch_size=8):
+        self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
+
+    def __call__(self, inputs, return_full_text=True, **kwargs):
+        single = isinstance(inputs, str)
+        items = [inputs] if single else list(inputs)
+        if not items or not all(isinstance(x, str) for x in items):
+            raise TypeError("text-generation inputs must be a string or a non-empty list of strings")
+        cfg = GenerationConfig.from_kwargs(self.config, **kwargs)
+        results = []
+        for i in range(0, len(items), self.batch_size):
+            chunk = items[i:i + self.batch_size]
+            out = generate(self.model, [self.tokenizer.encode(x) for x in chunk], cfg,
+                           tokenizer=self.tokenizer)
+            for text, gen in zip(chunk, out.texts):
+                results.append([{"generated_text": (text + gen) if return_full_text else gen}])
+        return results[0] if single else results
+
+
+def pipeline(task, model=None, tokenizer=None, lora=None, prefix=None, batch_size=8, **kwargs):
+    """paddletune.pipeline("text-generation", model=dir_or_model, lora=adapter_dir,
+    prefix=prefix_dir, max_new_tokens=..., decode_strategy=..., ...) -> TextGenerationPipeline.
+    Generation keywords are GenerationConfig fields; they become the pipeline's defaults."""
+    if task != "text-generation":
+        raise ValueError(f"task {task!r} is not supported; use 'text-generation'")
+    if model is None:
+        raise ValueError("pipeline('text-generation') needs model= (a checkpoint directory, a "
+                         "built-in name such as paddletune/tiny-llama, or a loaded model)")
+    base = GenerationConfig.from_kwargs(**kwargs)   # bad keys fail before the model is loaded
+    model, tokenizer, path = load_for_generation(model, tokenizer, lora, prefix)
+    defaults = checkpoint_defaults(path, tokenizer)
+    for key in ("eos_token_id", "pad_token_id"):
+        if key not in kwargs:
+            setattr(base, key, defaults[key])
+    return TextGenerationPipeline(model, tokenizer, base, batch_size)

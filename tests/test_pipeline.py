@@ -1,0 +1,83 @@
+"""paddletune.pipeline("text-generation") against transformers' own text-generation pipeline
+on the same checkpoint (greedy)."""
+import json
+import os
+
+import pytest
+import torch
+from conftest import hf_checkpoint
+
+import paddletune
+from paddletune.generation import TextGenerationPipeline
+
+PROMPTS = ["Reverse the words: apple river", "Sort the numbers: 3 1 2", "hello"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return hf_checkpoint(tmp_path_factory.mktemp("pipe"), seed=11)
+
+
+def hf_pipeline_texts(path, hf_model, prompts, n, **kw):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pipe = transformers.pipeline("text-generation", model=hf_model, tokenizer=tok, device="cpu")
+    with torch.no_grad():
+        return [pipe(p, max_new_tokens=n, do_sample=False, **kw)[0]["generated_text"] for p in prompts]
+
+
+def test_pipeline_equals_transformers_pipeline(ckpt):
+    path, hf = ckpt
+    pipe = paddletune.pipeline("text-generation", model=path, max_new_tokens=12)
+    assert isinstance(pipe, TextGenerationPipeline)
+    expected = hf_pipeline_texts(path, hf, PROMPTS, 12)
+    assert [pipe(p)[0]["generated_text"] for p in PROMPTS] == expected
+    # a list is batched (left padding) and gives the same texts
+    assert [r[0]["generated_text"] for r in pipe(PROMPTS)] == expected
+    only_new = hf_pipeline_texts(path, hf, PROMPTS[:1], 12, return_full_text=False)
+    assert pipe(PROMPTS[0], return_full_text=False)[0]["generated_text"] == only_new[0]
+
+
+def test_pipeline_generation_overrides_and_eos_from_generation_config(ckpt, tmp_path):
+    path, hf = ckpt
+    pipe = paddletune.pipeline("text-generation", model=path, max_new_tokens=10, batch_size=2)
+    free = pipe(PROMPTS[0], return_full_text=False, max_new_tokens=6)[0]["generated_text"]
+    assert free == hf_pipeline_texts(path, hf, PROMPTS[:1], 6, return_full_text=False)[0]
+    a = pipe(PROMPTS, decode_strategy="sampling", seed=5, temperature=2.0)
+    assert a == pipe(PROMPTS, decode_strategy="sampling", seed=5, temperature=2.0)
+    # an end-of-turn id listed in generation_config.json stops generation (Llama-3 / Qwen2 habit)
+    ids = pipe.tokenizer.encode(PROMPTS[1])
+    first = paddletune.generation.generate(pipe.model, [ids], max_new_tokens=3).sequences[0]
+    with open(os.path.join(path, "generation_config.json")) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [2, first[1]]
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(gen, f)
+    try:
+        pipe2 = paddletune.pipeline("text-generation", model=path, max_new_tokens=10)
+        assert pipe2.config.eos_token_id == [2, first[1]]
+        out = pipe2(PROMPTS[1], return_full_text=False)[0]["generated_text"]
+        assert out == pipe.tokenizer.decode(first[:1], skip_special_tokens=True)
+    finally:
+        hf.generation_config.save_pretrained(path)
+
+
+def test_pipeline_builtin_model_name():
+    pipe = paddletune.pipeline("text-generation", model="paddletune/tiny-llama", max_new_tokens=4)
+    out = pipe("Reverse the words: a b")
+    assert out[0]["generated_text"].startswith("Reverse the words: a b")
+
+
+def test_pipeline_bad_input_fails_before_loading(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match="task 'summarization'"):
+        paddletune.pipeline("summarization", model=missing)
+    with pytest.raises(TypeError, match="max_len"):
+        paddletune.pipeline("text-generation", model=missing, max_len=3)
+    with pytest.raises(ValueError, match="temperature"):
+        paddletune.pipeline("text-generation", model=missing, temperature=-1)
+    with pytest.raises(ValueError, match="not a local directory"):
+        paddletune.pipeline("text-generation", model=missing)
+    with pytest.raises(ValueError, match="needs model="):
+        paddletune.pipeline("text-generation")
