@@ -20,6 +20,7 @@ ROUGE-L F1 per sentence: the same with overlap = length of the longest common su
   unigram counts as denominators. ROUGE scores are averaged over sentences.
 """
 import math
+import os
 from collections import Counter
 
 _CJK = ((0x3000, 0x303F), (0x3040, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF),
@@ -137,3 +138,73 @@ def generation_metrics(predictions, references):
         "rouge2": sum(rouge_n(p, r, 2) for p, r in zip(predictions, references)) / n,
         "rougel": sum(rouge_l(p, r) for p, r in zip(predictions, references)) / n,
     }
+
+
+# ------------------------------------------------------------------------------ evaluation by generation
+
+def split_source_target(example, eos_ids=()):
+    """(prompt ids, reference ids) of a tokenised SFT example: the reference is the last run of
+    labelled tokens (the final answer, EOS removed), the prompt everything before it."""
+    labels = [int(x) for x in example["labels"]]
+    ids = [int(x) for x in example["input_ids"]]
+    labelled = [i for i, x in enumerate(labels) if x != -100]
+    if not labelled:
+        return ids, []
+    end = labelled[-1] + 1
+    start = end
+    while start > 1 and labels[start - 1] != -100:
+        start -= 1
+    return ids[:start], [t for t in ids[start:end] if t not in eos_ids]
+
+
+def generation_eval_fn(dataset, tokenizer, gen_config, output_dir=None, save_output=False,
+                       batch_size=8):
+    """Trainer eval_fn: generate an answer for every dev example and score it.
+
+    Each data-parallel rank generates for examples rank, rank + world, ...; texts are gathered
+    so every rank returns the same {"bleu4", "rouge1", "rouge2", "rougel"}. With save_output,
+    rank 0 writes output_dir/generated_output.json (JSON lines {"src", "tgt", "output"},
+    replaced atomically at each evaluation)."""
+    from .. import parallel
+    from ..generation import generate
+
+    eos = set(gen_config.eos_token_id or [tokenizer.eos_token_id])
+    pairs = [split_source_target(dataset[i], eos) for i in range(len(dataset))]
+
+    def eval_fn(trainer):
+        topo = parallel.topology()
+        mine = list(range(topo.dp_rank, len(pairs), topo.dp_degree))
+        rows = []
+        for k in range(0, len(mine), batch_size):
+            idx = mine[k:k + batch_size]
+            out = generate(trainer.model, [pairs[i][0] for i in idx], gen_config, tokenizer=tokenizer)
+            rows += [[i, out.texts[j]] for j, i in enumerate(idx)]
+        gathered = sorted(r for part in parallel.all_gather_json(rows) for r in part)
+        preds = [text for _, text in gathered]
+        refs = [tokenizer.decode(pairs[i][1], skip_special_tokens=True) for i, _ in gathered]
+        if save_output and topo.is_main and output_dir:
+            lines = [{"src": tokenizer.decode(pairs[i][0], skip_special_tokens=True), "tgt": ref,
+                      "output": p} for (i, p), ref in zip(gathered, refs)]
+            write_json_lines(os.path.join(output_dir, "generated_output.json"), lines)
+        return generation_metrics(preds, refs)
+
+    return eval_fn
+
+
+def write_json_lines(path, rows):
+    """Write dicts as JSON lines atomically (temp file beside `path`, then os.replace)."""
+    import json
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
