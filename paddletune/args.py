@@ -209,7 +209,7 @@ FEATURE_NOT_YET = {
     "prefix_path": "PEFT issue", "adapter": "PEFT issue", "lowrank_adapter": "PEFT issue",
     "bitfit": "PEFT issue", "rdrop": "PEFT issue", "neftune": "PEFT issue",
     "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
-    "chat_template": "data issue", "weight_quantize_algo": "quantization issue",
+    "weight_quantize_algo": "quantization issue",
 }
 # parallel degrees: values above 1 are refused until the parallel issues land
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
