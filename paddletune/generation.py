@@ -352,9 +352,9 @@ def decode_output(tokenizer, ids, stops=(), eos=()):
 # ------------------------------------------------------------------------------ loading, pipeline
 
 def checkpoint_defaults(path, tokenizer):
-    """GenerationConfig fields a checkpoint implies: eos ids = generation_config.json's
-    eos_token_id (an id or a list, e.g. Llama-3 / Qwen2 end-of-turn ids) plus the tokenizer's
-    eos; pad = the tokenizer's pad."""
+    """eos/pad GenerationConfig fields a checkpoint implies: eos ids = generation_config.json's
+    eos_token_id (an id or a list: Llama-3 / Qwen2 list end-of-turn ids there) + the
+    tokenizer's eos + the chat template's end-of-turn token; pad = the tokenizer's pad."""
     import os
 
     from .io import read_json
@@ -362,8 +362,9 @@ def checkpoint_defaults(path, tokenizer):
     gen = os.path.join(path, "generation_config.json") if path else ""
     eos = read_json(gen).get("eos_token_id") if gen and os.path.isfile(gen) else None
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
+    for i in [tokenizer.eos_token_id] + template_stop_ids(tokenizer):
+        if i is not None and i not in eos:
+            eos.append(i)
     return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
 
 
@@ -393,29 +394,114 @@ def _load_adapters(model, lora_path, prefix_path):
     raise NotImplementedError("lora_path / prefix_path need the PEFT issue, not merged here yet")
 
 
+def _split_messages(conversation):
+    """(system messages, [rounds]) where each round starts at a user message."""
+    from .data.chat_template import normalize_conversation
+
+    msgs = normalize_conversation(conversation)
+    system = [m for m in msgs[:1] if m["role"] == "system"]
+    rounds = []
+    for m in msgs[len(system):]:
+        if not rounds or m["role"] == "user":
+            rounds.append([])
+        rounds[-1].append(m)
+    return system, rounds
+
+
+def encode_prompt(tokenizer, conversation, use_template=True, src_length=None):
+    """Prompt ids, at most `src_length` long.
+
+    With the tokenizer's chat template (`use_template`): `conversation` is a string (one user
+    turn), PaddleNLP pairs [[q1, a1], ..., [q]] or messages ending with a user turn; it is
+    rendered with add_generation_prompt, tokenised as in training (Tokenizer.apply_chat_template).
+    Too long: the oldest rounds are dropped (a system message stays), then the last user text
+    is cut from the left inside the template, and as a last resort the ids from the left.
+    Without: the string is encoded with the tokenizer's specials (BOS ...), and its text tokens
+    are cut from the left (the specials stay), as in training without a template."""
+    if not use_template:
+        if not isinstance(conversation, str):
+            raise ValueError("a conversation (several rounds or messages) needs a chat template; "
+                             "set chat_template")
+        ids = tokenizer.encode(conversation)
+        if src_length and len(ids) > src_length:
+            pre, post = tokenizer.special_tokens_around()
+            text = tokenizer.encode(conversation, add_special_tokens=False)
+            keep = max(src_length - len(pre) - len(post), 0)
+            ids = pre + (text[len(text) - keep:] if keep else []) + post
+        return ids
+    system, rounds = _split_messages(conversation)
+    if rounds[-1][-1]["role"] != "user":
+        raise ValueError("the conversation must end with a user message to generate the answer")
+
+    def render(rs):
+        return tokenizer.apply_chat_template(system + [m for r in rs for m in r], add_generation_prompt=True)
+
+    ids = render(rounds)
+    while src_length and len(ids) > src_length and len(rounds) > 1:
+        rounds = rounds[1:]
+        ids = render(rounds)
+    last = rounds[-1][-1]
+    for _ in range(4):   # cut the user text; re-encoding may shift a token, so re-check
+        if not src_length or len(ids) <= src_length:
+            break
+        text = tokenizer.encode(last["content"], add_special_tokens=False)
+        keep = max(len(text) - (len(ids) - src_length), 0)
+        last = dict(last, content=tokenizer.decode(text[len(text) - keep:]) if keep else "")
+        ids = render(rounds[:-1] + [rounds[-1][:-1] + [last]])
+    return ids[len(ids) - src_length:] if src_length and len(ids) > src_length else ids
+
+
+def template_stop_ids(tokenizer):
+    """End-of-turn ids of the tokenizer's chat template (e.g. <|im_end|>, <|eot_id|>): the last
+    labelled token of an assistant turn, when it is a special token. [] without a template."""
+    from .data.chat_template import encode_segments, template_context
+
+    t = tokenizer.template
+    if t is None:
+        return []
+    try:
+        segs = t.segments([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                          False, **template_context(tokenizer))
+        pieces = encode_segments(tokenizer, segs)
+    except Exception:   # a template with extra demands (a system turn ...): no extra stop id
+        return []
+    labelled = [x for ids, labels, is_asst in pieces if is_asst for x in labels if x != -100]
+    end = labelled[-1] if labelled else None
+    special = end in tokenizer.special_ids or end == tokenizer.eos_token_id
+    return [end] if end is not None and special else []
+
+
 class TextGenerationPipeline:
-    """pipe(text or [texts], **generation overrides) -> [{"generated_text": str}] per input
-    (a list of such lists for a list of inputs), as transformers' text-generation pipeline:
-    `return_full_text=True` (default) puts the prompt in front of the completion.
-    A string is fed as raw text (the tokenizer's BOS rule applies); prompts are batched
-    `batch_size` at a time with left padding."""
+    """pipe(inputs, **generation overrides), as transformers' text-generation pipeline:
+    - a string (or a list of strings) is fed as raw text (the tokenizer's BOS rule applies) ->
+      [{"generated_text": prompt + completion}] (completion only with return_full_text=False);
+    - messages [{"role", "content"}, ...] (or a list of such) are rendered with the chat
+      template -> [{"generated_text": messages + [{"role": "assistant", "content": answer}]}].
+    Inputs are batched `batch_size` at a time with left padding."""
 
     def __init__(self, model, tokenizer, config, batch_size=8):
         self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
 
     def __call__(self, inputs, return_full_text=True, **kwargs):
-        single = isinstance(inputs, str)
+        is_chat = lambda x: isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)  # noqa: E731
+        single = isinstance(inputs, str) or is_chat(inputs)
         items = [inputs] if single else list(inputs)
-        if not items or not all(isinstance(x, str) for x in items):
-            raise TypeError("text-generation inputs must be a string or a non-empty list of strings")
+        if not items or not all(isinstance(x, str) or is_chat(x) for x in items):
+            raise TypeError("text-generation inputs: a string, a list of messages, or a non-empty "
+                            "list of those")
         cfg = GenerationConfig.from_kwargs(self.config, **kwargs)
         results = []
         for i in range(0, len(items), self.batch_size):
             chunk = items[i:i + self.batch_size]
-            out = generate(self.model, [self.tokenizer.encode(x) for x in chunk], cfg,
-                           tokenizer=self.tokenizer)
-            for text, gen in zip(chunk, out.texts):
-                results.append([{"generated_text": (text + gen) if return_full_text else gen}])
+            prompts = [encode_prompt(self.tokenizer, x, not isinstance(x, str), cfg.src_length)
+                       for x in chunk]
+            out = generate(self.model, prompts, cfg, tokenizer=self.tokenizer)
+            for x, gen in zip(chunk, out.texts):
+                if not isinstance(x, str):
+                    full = list(x) + [{"role": "assistant", "content": gen}]
+                    results.append([{"generated_text": full if return_full_text else gen}])
+                else:
+                    results.append([{"generated_text": (x + gen) if return_full_text else gen}])
         return results[0] if single else results
 
 
