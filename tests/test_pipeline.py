@@ -81,3 +81,27 @@ def test_pipeline_bad_input_fails_before_loading(tmp_path):
         paddletune.pipeline("text-generation", model=missing)
     with pytest.raises(ValueError, match="needs model="):
         paddletune.pipeline("text-generation")
+
+
+def test_pipeline_chat_messages_equal_transformers_pipeline(tmp_path):
+    """Messages are rendered with the checkpoint's chat template (here the built-in llama2
+    text, which starts with BOS as transformers' rendering does)."""
+    import transformers
+
+    from paddletune.data.chat_template import BUILTIN_TEMPLATES
+
+    path, hf = hf_checkpoint(tmp_path / "chat", seed=12)
+    conf_path = os.path.join(path, "tokenizer_config.json")
+    conf = json.load(open(conf_path))
+    conf["chat_template"] = BUILTIN_TEMPLATES["llama2"]
+    json.dump(conf, open(conf_path, "w"))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "Sort 3 1 2"}]
+    pipe = paddletune.pipeline("text-generation", model=path, max_new_tokens=8)
+    ours = pipe(chat)[0]["generated_text"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.pipeline("text-generation", model=hf, tokenizer=tok, device="cpu")
+    with torch.no_grad():
+        expected = ref(chat, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert ours == expected and ours[-1]["role"] == "assistant" and ours[:-1] == chat
+    assert pipe([chat, chat[:2]], return_full_text=False)[0][0]["generated_text"] == expected[-1]["content"]
