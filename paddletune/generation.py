@@ -21,10 +21,10 @@ How one call runs (B prompts, longest L tokens, P prefix tokens, N = max_new_tok
 Token choice per step (order as in transformers): repetition penalty (over prompt + generated
 tokens: logit / p if positive else logit * p) -> greedy argmax, or for sampling:
 logits / temperature -> keep top_k -> keep the smallest set of tokens whose probability mass
-reaches top_p -> draw by inverse CDF with uniforms from a numpy Generator seeded with `seed`
-(same seed, same prompts -> same output; the global paddle RNG is not touched).
+reaches top_p -> draw by inverse CDF with uniforms from a numpy Generator seeded with `seed`;
+prompt i always uses the i-th row of draws, so the same seed and prompts give the same output
+whatever the batch size, and the global paddle RNG is not touched.
 """
-import math
 import time
 from dataclasses import dataclass, field, fields
 from typing import List, Optional
