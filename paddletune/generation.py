@@ -167,11 +167,12 @@ def _model_dtype(model):
 
 
 def _prefix_of(model, prefix):
-    """(keys, values) per layer [kv_heads, P, head_dim], from the argument or the model."""
+    """(keys, values) per layer [kv_heads, P, head_dim], from the argument or from the prefix
+    encoder that prefix tuning attached to the model (peft/prefix.py)."""
     if prefix is not None:
         return prefix
-    get = getattr(model, "prefix_kv", None)
-    return get() if callable(get) else None
+    enc = getattr(model, "prefix_encoder", None)
+    return enc.prefix_kv() if enc is not None else None
 
 
 def _prepare(prompts, cfg, P, pad_id):
@@ -277,7 +278,7 @@ def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache
     `config` (GenerationConfig) with `kwargs` overriding its fields. eos/pad default to the
     tokenizer's, or the model config's. `prefix` = (keys, values), per layer
     [kv_heads, P, head_dim], starts every row from learned prefixes (prefix tuning); a model
-    with a `prefix_kv()` method supplies its own. `use_cache=False` recomputes the whole
+    with a prefix-tuning encoder supplies its own. `use_cache=False` recomputes the whole
     sequence every step (the reference the cached path is tested against)."""
     cfg = GenerationConfig.from_kwargs(config, **kwargs)
     if not prompts or isinstance(prompts[0], (int, np.integer)):
@@ -368,9 +369,11 @@ def checkpoint_defaults(path, tokenizer):
     return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
 
 
-def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None):
+def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True):
     """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
-    built-in name or an already built model; LoRA or prefix weights are loaded on top."""
+    built-in name or an already built model. A LoRA adapter (HF-PEFT files) is loaded on top
+    and, with merge_lora, folded into the weights (W += s A B: faster, same outputs); prefixes
+    (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache."""
     from .models import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
@@ -385,13 +388,14 @@ def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None)
             raise ValueError("pass tokenizer= (a Tokenizer or its directory) with an in-memory model")
         tokenizer = load_tokenizer(tokenizer or path)
     if lora_path or prefix_path:
-        model = _load_adapters(model, lora_path, prefix_path)
+        from . import peft
+
+        peft.load_adapter(model, lora_path=lora_path, prefix_path=prefix_path)
+        layers = peft.lora.lora_layers(model)
+        if merge_lora and layers and all(isinstance(m.base_layer, paddle.nn.Linear) for m in layers.values()):
+            peft.lora.merge(model)   # (a quantized backbone keeps its adapters unmerged)
     model.eval()
     return model, tokenizer, path
-
-
-def _load_adapters(model, lora_path, prefix_path):
-    raise NotImplementedError("lora_path / prefix_path need the PEFT issue, not merged here yet")
 
 
 def _split_messages(conversation):
@@ -505,17 +509,19 @@ class TextGenerationPipeline:
         return results[0] if single else results
 
 
-def pipeline(task, model=None, tokenizer=None, lora=None, prefix=None, batch_size=8, **kwargs):
+def pipeline(task, model=None, tokenizer=None, lora=None, prefix=None, batch_size=8,
+             merge_lora=True, **kwargs):
     """paddletune.pipeline("text-generation", model=dir_or_model, lora=adapter_dir,
     prefix=prefix_dir, max_new_tokens=..., decode_strategy=..., ...) -> TextGenerationPipeline.
-    Generation keywords are GenerationConfig fields; they become the pipeline's defaults."""
+    Generation keywords are GenerationConfig fields; they become the pipeline's defaults.
+    `merge_lora=False` keeps the LoRA layers unmerged (same outputs, slower)."""
     if task != "text-generation":
         raise ValueError(f"task {task!r} is not supported; use 'text-generation'")
     if model is None:
         raise ValueError("pipeline('text-generation') needs model= (a checkpoint directory, a "
                          "built-in name such as paddletune/tiny-llama, or a loaded model)")
     base = GenerationConfig.from_kwargs(**kwargs)   # bad keys fail before the model is loaded
-    model, tokenizer, path = load_for_generation(model, tokenizer, lora, prefix)
+    model, tokenizer, path = load_for_generation(model, tokenizer, lora, prefix, merge_lora)
     defaults = checkpoint_defaults(path, tokenizer)
     for key in ("eos_token_id", "pad_token_id"):
         if key not in kwargs:
