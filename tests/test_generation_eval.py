@@ -85,3 +85,31 @@ def test_generation_argument_errors(extra, msg):
         parse_args(BASE + extra)
     parse_args(BASE + ["--eval_with_do_generation", "true", "--save_generation_output", "true",
                        "--metric_for_best_model", "rougel"])
+
+
+@pytest.mark.parametrize("method", [["--lora", "true", "--lora_rank", "8"],
+                                    ["--prefix_tuning", "true", "--num_prefix_tokens", "4"]])
+def test_generation_eval_with_peft_methods(setup, tmp_path, method):
+    """Generation eval runs on the PEFT-wrapped model (LoRA layers / prefix encoder) and the
+    logged scores are those of the saved outputs."""
+    import importlib.util
+
+    ckpt, data, rows = setup
+    spec = importlib.util.spec_from_file_location(
+        "finetune_generation", os.path.join(os.path.dirname(__file__), "..", "llm", "finetune_generation.py"))
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    out = str(tmp_path / "out")
+    rc = ft.main(["--model_name_or_path", ckpt, "--dataset_name_or_path", data, "--output_dir", out,
+                  "--do_train", "true", "--do_eval", "true", "--max_steps", "5", "--learning_rate", "0.01",
+                  "--per_device_train_batch_size", "8", "--save_strategy", "no", "--logging_steps", "5",
+                  "--disable_tqdm", "true", "--eval_with_do_generation", "true",
+                  "--save_generation_output", "true", "--max_new_tokens", "6", "--src_length", "16",
+                  "--max_length", "48"] + method)
+    assert rc == 0
+    logs = [json.loads(l) for l in open(os.path.join(out, "train_log.jsonl"))]
+    final = [r for r in logs if "eval_bleu4" in r][-1]
+    saved = [json.loads(l) for l in open(os.path.join(out, "generated_output.json"))]
+    assert len(saved) == len(rows)
+    m = generation_metrics([r["output"] for r in saved], [r["tgt"] for r in saved])
+    assert all(m[k] == pytest.approx(final["eval_" + k], abs=1e-6) for k in m)
