@@ -202,7 +202,7 @@ def _stop_hit(tokenizer, row_ids, stops, window):
 class _LiveBatch:
     """Device state of the rows still generating. `rows` maps live rows to prompt indices."""
 
-    def __init__(self, model, ids, mask, pos, lengths, P, N, prefix, use_cache, seen):
+    def __init__(self, model, ids, mask, pos, P, N, prefix, use_cache, seen):
         self.model, self.P, self.prefix, self.use_cache = model, P, prefix, use_cache
         B, L = ids.shape
         self.rows = np.arange(B)
@@ -303,7 +303,7 @@ def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    live = _LiveBatch(model, ids, mask, pos, lengths, P, N, prefix, use_cache, seen)
+    live = _LiveBatch(model, ids, mask, pos, P, N, prefix, use_cache, seen)
     out, logits_out = [[] for _ in range(B)], [[] for _ in range(B)]
     reasons = ["length"] * B
     stop_window = 8 + 4 * max((len(s) for s in cfg.stop), default=0)
