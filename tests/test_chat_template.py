@@ -135,6 +135,16 @@ def test_end_of_turn_rules(chat_tok_dir):
     assert ids[:len(prompt)] == prompt and labels[len(prompt)] != -100 and labels[len(prompt) - 1] == -100
 
 
+def test_stop_token_ids(chat_tok_dir):
+    from paddletune.data.chat_template import stop_token_ids
+
+    tok = Tokenizer(chat_tok_dir)
+    eos = tok.eos_token_id
+    assert stop_token_ids(tok, "chatml") == [tok.token_to_id("<|im_end|>"), eos]
+    assert stop_token_ids(tok, "llama3") == [tok.token_to_id("<|eot_id|>"), eos]
+    assert stop_token_ids(tok, "llama2") == [eos] == stop_token_ids(tok, "chatglm2")
+
+
 def test_budget_drops_oldest_rounds_keeps_system(chat_tok_dir):
     tok = Tokenizer(chat_tok_dir)
     tok.set_chat_template("chatml")

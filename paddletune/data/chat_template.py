@@ -383,6 +383,22 @@ def encode_segments(tok, segments):
     return out
 
 
+def stop_token_ids(tok, chat_template=None):
+    """Ids that end an assistant turn under the template (for generation): the end-of-turn
+    token found after a rendered answer (e.g. <|im_end|>, <|eot_id|>), plus EOS."""
+    template = template_for(tok, chat_template)
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if template is None:
+        return ids
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    seg = next(s for s in template.segments(msgs, False, **template_context(tok)) if s.is_assistant)
+    labelled, _, found = _label_split(seg.text, "a", _special_pattern(tok))
+    if found:
+        end = tok.encode(labelled, add_special_tokens=False)[-1]
+        ids = [end] + [i for i in ids if i != end]
+    return ids
+
+
 def apply_chat_template(tok, conversation, add_generation_prompt=False, tokenize=True,
                         chat_template=None, **context):
     """Text (tokenize=False) or token ids of a conversation, as training renders it."""

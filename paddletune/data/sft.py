@@ -126,10 +126,13 @@ def _cut_user(tok, segments, pieces, user_text, src_length):
     extra = len(pieces) - len(segments)
     first = next(i for i, (_, _, a) in enumerate(pieces) if a)
     k = first - 1
-    text = segments[k - extra].text if k >= extra else ""
-    at = text.rfind(user_text) if user_text else -1
     if k < extra:
         return pieces
+    text, at = segments[k - extra].text, -1
+    for candidate in (user_text, user_text.strip()):   # templates may trim the content
+        if candidate and text.rfind(candidate) >= 0:
+            user_text, at = candidate, text.rfind(candidate)
+            break
     if at < 0:   # the template rewrote the text: cut the prompt tokens from the left instead
         others = sum(len(p[0]) for p in pieces[:extra])
         flat, keep = [i for p in pieces[extra:first] for i in p[0]], max(src_length - others, 0)
@@ -292,6 +295,14 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
         except ChatTemplateError as e:
             raise DataError(f"chat_template: {e}") from None
     builder = ExampleBuilder(tok, data_args)
-    train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
+    if do_train and data_args.lazy:   # streamed: files checked (head lines), not loaded
+        from .lazy import LazyDataset
+
+        files = split_files(root, "train")
+        if not files:
+            raise DataError(f"no train data in {root}: expected train.json or train/*.json")
+        train = LazyDataset(files, builder)
+    else:
+        train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
     dev = load_split(root, "dev", tok, data_args, required=do_eval, builder=builder) if do_eval else None
     return train, dev
