@@ -363,7 +363,13 @@ def checkpoint_defaults(path, tokenizer):
     gen = os.path.join(path, "generation_config.json") if path else ""
     eos = read_json(gen).get("eos_token_id") if gen and os.path.isfile(gen) else None
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    for i in [tokenizer.eos_token_id] + template_stop_ids(tokenizer):
+    from .data.chat_template import stop_token_ids
+
+    try:
+        ends = stop_token_ids(tokenizer)   # the template's end-of-turn id (if any) + EOS
+    except Exception:   # a template that cannot render a plain user/assistant pair
+        ends = [tokenizer.eos_token_id]
+    for i in ends:
         if i is not None and i not in eos:
             eos.append(i)
     return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
@@ -453,26 +459,6 @@ def encode_prompt(tokenizer, conversation, use_template=True, src_length=None):
         last = dict(last, content=tokenizer.decode(text[len(text) - keep:]) if keep else "")
         ids = render(rounds[:-1] + [rounds[-1][:-1] + [last]])
     return ids[len(ids) - src_length:] if src_length and len(ids) > src_length else ids
-
-
-def template_stop_ids(tokenizer):
-    """End-of-turn ids of the tokenizer's chat template (e.g. <|im_end|>, <|eot_id|>): the last
-    labelled token of an assistant turn, when it is a special token. [] without a template."""
-    from .data.chat_template import encode_segments, template_context
-
-    t = tokenizer.template
-    if t is None:
-        return []
-    try:
-        segs = t.segments([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                          False, **template_context(tokenizer))
-        pieces = encode_segments(tokenizer, segs)
-    except Exception:   # a template with extra demands (a system turn ...): no extra stop id
-        return []
-    labelled = [x for ids, labels, is_asst in pieces if is_asst for x in labels if x != -100]
-    end = labelled[-1] if labelled else None
-    special = end in tokenizer.special_ids or end == tokenizer.eos_token_id
-    return [end] if end is not None and special else []
 
 
 class TextGenerationPipeline:

@@ -105,3 +105,42 @@ def test_pipeline_chat_messages_equal_transformers_pipeline(tmp_path):
         expected = ref(chat, max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert ours == expected and ours[-1]["role"] == "assistant" and ours[:-1] == chat
     assert pipe([chat, chat[:2]], return_full_text=False)[0][0]["generated_text"] == expected[-1]["content"]
+
+
+def test_chat_template_end_of_turn_token_stops_generation(tmp_path):
+    """With a chatml template and <|im_end|> a special token, <|im_end|> ends generation (as
+    transformers does when generation_config lists it), besides EOS."""
+    import numpy as np
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as T
+
+    from conftest import TINY_TOKENIZER
+    from paddletune.data.chat_template import BUILTIN_TEMPLATES
+    from paddletune.generation import checkpoint_defaults, generate
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    t = T.from_file(os.path.join(TINY_TOKENIZER, "tokenizer.json"))
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in ("<|im_start|>", "<|im_end|>")])
+    t.save(str(tok_dir / "tokenizer.json"))
+    conf = json.load(open(os.path.join(TINY_TOKENIZER, "tokenizer_config.json")))
+    conf["chat_template"] = BUILTIN_TEMPLATES["chatml"]
+    json.dump(conf, open(tok_dir / "tokenizer_config.json", "w"))
+    path, _ = hf_checkpoint(tmp_path / "m", tokenizer_dir=str(tok_dir), vocab_size=602, seed=3)
+    pipe = paddletune.pipeline("text-generation", model=path, max_new_tokens=6)
+    im_end = pipe.tokenizer.token_to_id("<|im_end|>")
+    assert im_end == 601 and pipe.config.eos_token_id == [2, im_end]
+    assert checkpoint_defaults(path, pipe.tokenizer)["eos_token_id"] == [2, im_end]
+    # the pipeline stops at <|im_end|>: answers are cut there, and it is not in the text
+    chat = [{"role": "user", "content": "hi"}]
+    ids = pipe.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    free = generate(pipe.model, [ids], max_new_tokens=6, eos_token_id=[]).sequences[0]
+    arr = pipe.model.lm_head.weight.numpy()     # [hidden, vocab]: make <|im_end|> score as the
+    arr[:, im_end] = arr[:, free[2]]            # 3rd answer token does, plus a margin
+    arr[:, im_end] += 1e-3 * np.sign(arr[:, free[2]])
+    pipe.model.lm_head.weight.set_value(arr)
+    out = generate(pipe.model, [ids], pipe.config, tokenizer=pipe.tokenizer)
+    k = out.sequences[0].index(im_end)
+    assert out.finish_reasons == ["eos"] and out.sequences[0] == out.sequences[0][:k + 1]
+    assert "<|im_end|>" not in out.texts[0]
+    assert pipe(chat, return_full_text=False)[0]["generated_text"] == out.texts[0]
