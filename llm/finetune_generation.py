@@ -20,11 +20,13 @@ from paddletune import parallel, peft, runtime
 from paddletune.args import ArgumentError, parse_args
 from paddletune.data import DataError, build_datasets
 from paddletune.data.packing import build_train_source
+from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import load_config, load_model, resolve_model_path
 from paddletune.models.layers import set_flash_attention
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import latest_checkpoint
+from paddletune.trainer.metrics import generation_eval_fn
 
 
 def prepare(argv=None):
@@ -45,6 +47,15 @@ def prepare(argv=None):
     if not args.do_train and not args.do_eval:
         raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
+
+
+def generation_config(gen_args, model_path, tok):
+    """Decoding settings of generation eval: GenerateArgument + the checkpoint's eos/pad ids."""
+    return GenerationConfig(
+        max_new_tokens=gen_args.max_new_tokens, decode_strategy=gen_args.decode_strategy,
+        temperature=gen_args.temperature, top_k=gen_args.top_k, top_p=gen_args.top_p,
+        repetition_penalty=gen_args.repetition_penalty, seed=0,
+        **checkpoint_defaults(model_path, tok)).validate()
 
 
 def main(argv=None):
@@ -73,9 +84,14 @@ def main(argv=None):
                 model.config.num_hidden_layers, model.config.hidden_size)
 
     setup = peft.apply(model, model_args, tokenizer=tok)   # wraps the frozen model; None = full FT
+    eval_fn = None
+    if data_args.eval_with_do_generation and dev_ds is not None:
+        eval_fn = generation_eval_fn(dev_ds, tok, generation_config(gen_args, model_path, tok),
+                                     args.output_dir, data_args.save_generation_output,
+                                     args.per_device_eval_batch_size)
     trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok,
                       trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
-                      lr_scales=setup.lr_scales, train_source=train_source)
+                      lr_scales=setup.lr_scales, eval_fn=eval_fn, train_source=train_source)
     if args.do_train:
         trainer.train()
     if args.do_eval and dev_ds is not None:
@@ -83,6 +99,9 @@ def main(argv=None):
         if topo.is_main:
             logger.info("eval: loss %.4f, ppl %.4f, accuracy %.4f", metrics["loss"], metrics["ppl"],
                         metrics["accuracy"])
+            if eval_fn is not None:
+                logger.info("eval (generation): bleu4 %.4f, rouge1 %.4f, rouge2 %.4f, rougel %.4f",
+                            metrics["bleu4"], metrics["rouge1"], metrics["rouge2"], metrics["rougel"])
     if args.do_train and topo.is_main:
         print(f"model saved to {os.path.abspath(args.output_dir)}")
     return 0

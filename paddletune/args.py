@@ -119,10 +119,10 @@ class QuantArgument:
 
 @dataclass
 class GenerateArgument:
-    top_k: int = F(1, "sampling: keep the k most likely tokens (1 = greedy)")
-    top_p: float = F(1.0, "sampling: nucleus probability mass")
-    temperature: float = F(1.0, "sampling temperature")
-    repetition_penalty: float = F(1.0, "divide logits of already generated tokens by this")
+    top_k: int = F(1, "sampling: keep the k most likely tokens (0 = no limit, 1 = greedy)")
+    top_p: float = F(1.0, "sampling: keep the smallest set of tokens whose probability reaches top_p")
+    temperature: float = F(1.0, "sampling: divide logits by this (> 0)")
+    repetition_penalty: float = F(1.0, "penalise tokens already in prompt or output: positive logits / p, negative x p (1 = off)")
     max_new_tokens: int = F(128, "tokens generated per example in generation eval")
     decode_strategy: str = F("greedy_search", "greedy_search or sampling", choices=["greedy_search", "sampling"])
 
@@ -205,8 +205,7 @@ REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
 # key -> where it lands, for features not built yet: a non-default value is refused until then
 FEATURE_NOT_YET = {
-    "eval_with_do_generation": "inference issue",
-    "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
+    "weight_quantize_algo": "quantization issue",
 }
 # parallel degrees: values above 1 are refused until the parallel issues land
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
@@ -442,6 +441,17 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
             err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
                 "issue); remove it or set sharding_parallel_degree to 1")
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+    if data_args.save_generation_output and not data_args.eval_with_do_generation:
+        err("save_generation_output", "needs eval_with_do_generation: true (it saves the generated answers)")
+    if data_args.eval_with_do_generation and not args.do_eval:
+        err("eval_with_do_generation", "needs do_eval: true (generation runs on the dev set)")
+    for key, ok, rule in (("max_new_tokens", gen_args.max_new_tokens > 0, "> 0"),
+                          ("temperature", gen_args.temperature > 0, "> 0"),
+                          ("top_k", gen_args.top_k >= 0, ">= 0"),
+                          ("top_p", 0 < gen_args.top_p <= 1, "in (0, 1]"),
+                          ("repetition_penalty", gen_args.repetition_penalty > 0, "> 0")):
+        if not ok:
+            err(key, f"must be {rule}, got {getattr(gen_args, key)}")
     if data_args.intokens or data_args.greedy_zero_padding:
         data_args.zero_padding = True
     if data_args.lazy and args.do_train and args.max_steps <= 0:

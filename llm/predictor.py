@@ -1,0 +1,286 @@
+"""Generate answers with a fine-tuned model (PaddleNLP's llm/predictor.py keys).
+
+    python llm/predictor.py --model_name_or_path OUT --data_file dev.json --output_file out.json --batch_size 8
+    python llm/predictor.py --model_name_or_path BASE --lora_path OUT --chat     # interactive, with history
+    python llm/predictor.py args.json [--key value ...]                           # keys from a JSON file
+
+data_file: JSON lines {"src": str or [rounds], "tgt": optional}; output_file gets JSON lines
+{"src", "tgt", "output"} (written atomically at the end; without output_file they go to stdout).
+By default the checkpoint's chat template is applied with `src` as one user turn (a list of
+rounds `src` with `tgt` as earlier answers), as PaddleNLP's predictor does; --chat_template none
+feeds `src` as raw text. Tokens per second are printed at the end.
+--chat reads one user message per stdin line and prints each answer on one line ("\\n" inside an
+answer is written as a space); "/reset" clears the history, "/exit" or end of input stops.
+Every input is checked before the model is loaded.
+"""
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+try:
+    import paddletune  # noqa: F401
+except ImportError:  # running from a source checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import paddletune  # noqa: F401
+
+from paddletune import runtime
+from paddletune.args import ArgumentError, F, _convert
+
+DEFAULT_PROMPTS = ["Reverse the words: apple river stone", "解释一下“温故而知新”"]
+
+
+@dataclass
+class PredictorArgument:
+    model_name_or_path: str = F(None, "checkpoint directory (HF format) or a built-in name such as paddletune/tiny-llama")
+    tokenizer_name_or_path: Optional[str] = F(None, "tokenizer directory when it differs from the model's")
+    lora_path: Optional[str] = F(None, "LoRA adapter directory (adapter_config.json + adapter_model.safetensors) applied on the model")
+    prefix_path: Optional[str] = F(None, "prefix-tuning directory applied on the model")
+    chat_template: Optional[str] = F(None, "chat template: a built-in name, a .jinja / chat_template.json file, a directory holding chat_template.json, or 'none' for raw src; default: the checkpoint's")
+    chat: bool = F(False, "interactive multi-turn chat on stdin/stdout with history ('/reset' clears, '/exit' ends)")
+    data_file: Optional[str] = F(None, "JSON lines with \"src\" (and optional \"tgt\"); default: two built-in prompts")
+    output_file: Optional[str] = F(None, "where JSON lines {src, tgt, output} go (default: stdout)")
+    batch_size: int = F(1, "prompts generated together (left padding)")
+    src_length: int = F(1024, "max prompt tokens; longer prompts lose their oldest rounds / leftmost tokens")
+    max_length: int = F(1024, "max NEW tokens per answer (PaddleNLP's meaning of max_length here)")
+    decode_strategy: str = F("sampling", "sampling or greedy_search", choices=["sampling", "greedy_search"])
+    top_k: int = F(0, "sampling: keep the k most likely tokens (0 = no limit; 1 = greedy)")
+    top_p: float = F(0.7, "sampling: keep the smallest set of tokens whose probability reaches top_p")
+    temperature: float = F(0.95, "sampling: divide logits by this (> 0)")
+    repetition_penalty: float = F(1.0, "penalise tokens already in prompt or answer (1 = off)")
+    seed: int = F(42, "sampling seed: the same seed and inputs give the same outputs")
+    device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])
+    dtype: Optional[str] = F(None, "PaddleNLP's model dtype; weights are computed in float32 on CPU", "no_effect", "float32 is used")
+    mode: str = F("dynamic", "dynamic (eager) predictor; static graphs are not built here", choices=["dynamic"])
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(PredictorArgument)}
+
+
+def help_text():
+    lines = ["usage: python llm/predictor.py [ARGS.json] [--key value ...]", "", __doc__.strip(), "", "keys:"]
+    for name, f in FIELDS.items():
+        lines.append(f"  --{name} (default {f.default})")
+        lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def parse(argv):
+    """argv -> PredictorArgument; raises ArgumentError on an unknown key or bad value."""
+    import difflib
+
+    argv = list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        raise SystemExit(0)
+    values, sources = {}, {}
+    if argv and argv[0].endswith(".json") and not argv[0].startswith("--"):
+        path = argv.pop(0)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ArgumentError(f"{path}: cannot read the argument file ({e})") from None
+        for k, v in data.items():
+            values[k], sources[k] = v, path
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            raise ArgumentError(f"command line: expected --key value, got {a!r}")
+        k, v = (a[2:].split("=", 1) + [None])[:2]
+        i += 1
+        if v is None:
+            is_bool = k in FIELDS and FIELDS[k].type in (bool, "bool")
+            if is_bool and (i >= len(argv) or argv[i].startswith("--")):
+                v = "true"
+            elif i < len(argv):
+                v, i = argv[i], i + 1
+            else:
+                raise ArgumentError(f"command line: --{k} needs a value")
+        values[k], sources[k] = v, "command line"
+    kwargs = {}
+    for k, v in values.items():
+        if k not in FIELDS:
+            near = difflib.get_close_matches(k, list(FIELDS), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else "; see --help"
+            raise ArgumentError(f"{sources[k]}: unknown key '{k}'{hint}")
+        f = FIELDS[k]
+        kwargs[k] = _convert(k, v, f, sources[k])
+        choices = f.metadata["choices"]
+        if choices and kwargs[k] not in choices:
+            raise ArgumentError(f"{sources[k]}: '{k}' must be one of {choices}, got {kwargs[k]!r}")
+        if f.metadata["status"] == "no_effect" and kwargs[k] != f.default:
+            runtime.warn_once(k, "'%s: %s' has no effect here: %s", k, kwargs[k], f.metadata["why"])
+    return PredictorArgument(**kwargs)
+
+
+def read_data(path):
+    """[(src, tgt)] from JSON lines; src is a string or a list of rounds (tgt then lists the
+    earlier answers). Errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ArgumentError(f"data_file={path!r} not found (working directory {os.getcwd()})")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ArgumentError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            src = row.get("src") if isinstance(row, dict) else None
+            ok = isinstance(src, str) or (isinstance(src, list) and src and all(isinstance(s, str) for s in src))
+            if not ok:
+                raise ArgumentError(f"{path}:{n}: needs \"src\": a string or a list of strings, got {row!r:.80}")
+            tgt = row.get("tgt", "")
+            if isinstance(src, list) and not (isinstance(tgt, list) and len(tgt) >= len(src) - 1
+                                              and all(isinstance(t, str) for t in tgt)):
+                raise ArgumentError(f"{path}:{n}: a list \"src\" (rounds) needs a list \"tgt\" holding "
+                                    f"at least the {len(src) - 1} earlier answers")
+            rows.append((src, tgt))
+    if not rows:
+        raise ArgumentError(f"data_file {path} has no rows")
+    return rows
+
+
+def conversation_of(src, tgt):
+    """A string src is one user turn; a list of rounds becomes PaddleNLP pairs
+    [[q1, a1], ..., [q_last]] with the earlier answers a_i = tgt[i]."""
+    if isinstance(src, str):
+        return src
+    return [[q, tgt[i]] for i, q in enumerate(src[:-1])] + [[src[-1]]]
+
+
+def check(a):
+    """Everything that can be checked without the model; returns (model dir, tokenizer, rows)."""
+    from paddletune.generation import GenerationConfig
+    from paddletune.models import load_config, resolve_model_path
+    from paddletune.tokenizer import load_tokenizer
+
+    if not a.model_name_or_path:
+        raise ArgumentError("'model_name_or_path' is required (a checkpoint directory or a built-in name)")
+    for key in ("batch_size", "src_length", "max_length"):
+        if getattr(a, key) <= 0:
+            raise ArgumentError(f"'{key}' must be positive, got {getattr(a, key)}")
+    try:
+        GenerationConfig(max_new_tokens=a.max_length, decode_strategy=a.decode_strategy,
+                         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                         repetition_penalty=a.repetition_penalty).validate()
+    except ValueError as e:
+        raise ArgumentError(str(e).replace("generation: ", "")) from None
+    if a.chat and a.data_file:
+        raise ArgumentError("use either --chat (stdin) or --data_file, not both")
+    for key in ("lora_path", "prefix_path"):
+        p = getattr(a, key)
+        if p and not os.path.isdir(p):
+            raise ArgumentError(f"{key}={p!r} is not a directory")
+    if a.device == "gpu" and runtime.device() != "gpu":
+        raise ArgumentError("device=gpu but paddle sees no GPU here; use --device cpu (or auto)")
+    if a.output_file and os.path.isdir(a.output_file):
+        raise ArgumentError(f"output_file={a.output_file!r} is a directory; give a file name")
+    path = resolve_model_path(a.model_name_or_path)
+    load_config(path)
+    tok = load_tokenizer(a.tokenizer_name_or_path or path)
+    t = a.chat_template
+    if t is not None and os.path.isdir(t):   # PaddleNLP: a directory holding chat_template.json
+        t = os.path.join(t, "chat_template.json")
+        if not os.path.isfile(t):
+            raise ArgumentError(f"chat_template={a.chat_template!r}: no chat_template.json in that directory")
+    if t is not None:
+        tok.set_chat_template(t)
+    if a.chat and tok.template is None:
+        raise ArgumentError("--chat needs a chat template: the checkpoint has none; pass --chat_template "
+                            "with a built-in name (llama2, llama3, chatml, ...) or a template file")
+    rows = read_data(a.data_file) if a.data_file else [(p, "") for p in DEFAULT_PROMPTS]
+    if tok.template is None and any(not isinstance(s, str) for s, _ in rows):
+        raise ArgumentError(f"{a.data_file}: \"src\" lists (several rounds) need a chat template")
+    return path, tok, rows
+
+
+def chat_loop(a, model, tok, cfg, stdin, stdout):
+    """One user message per line; answers on one line each. Returns (new tokens, seconds)."""
+    from paddletune.generation import encode_prompt, generate
+
+    history, tokens, seconds = [], 0, 0.0
+    if stdin.isatty():
+        print("chat: type a message; /reset clears the history, /exit ends", file=stdout, flush=True)
+    for line in stdin:
+        text = line.rstrip("\n")
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            history = []
+            print("(history cleared)", file=stdout, flush=True)
+            continue
+        if not text.strip():
+            continue
+        msgs = history + [{"role": "user", "content": text}]
+        out = generate(model, [encode_prompt(tok, msgs, True, a.src_length)], cfg, tokenizer=tok)
+        reply = out.texts[0]
+        tokens, seconds = tokens + out.num_new_tokens, seconds + out.seconds
+        print(reply.replace("\n", " "), file=stdout, flush=True)
+        history = msgs + [{"role": "assistant", "content": reply}]
+    return tokens, seconds
+
+
+def predict(a, model, tok, cfg, rows):
+    """Generate for every row, batch_size at a time. Returns (records, new tokens, seconds)."""
+    from paddletune.generation import encode_prompt, generate
+
+    use_template = tok.template is not None
+    records, tokens, seconds = [], 0, 0.0
+    for i in range(0, len(rows), a.batch_size):
+        chunk = rows[i:i + a.batch_size]
+        prompts = [encode_prompt(tok, conversation_of(s, t), use_template, a.src_length) for s, t in chunk]
+        out = generate(model, prompts, cfg, tokenizer=tok)
+        tokens, seconds = tokens + out.num_new_tokens, seconds + out.seconds
+        records += [{"src": s, "tgt": t, "output": o} for (s, t), o in zip(chunk, out.texts)]
+    return records, tokens, seconds
+
+
+def main(argv=None, stdin=None, stdout=None):
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    runtime.setup_logging()
+    try:
+        a = parse(sys.argv[1:] if argv is None else argv)
+        path, tok, rows = check(a)
+    except (ArgumentError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from paddletune.generation import GenerationConfig, checkpoint_defaults, load_for_generation
+    from paddletune.trainer.metrics import write_json_lines
+
+    if a.device == "cpu":
+        import paddle
+
+        paddle.set_device("cpu")
+    else:
+        runtime.set_device()
+    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path)
+    cfg = GenerationConfig(max_new_tokens=a.max_length, decode_strategy=a.decode_strategy,
+                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                           repetition_penalty=a.repetition_penalty, seed=a.seed,
+                           **checkpoint_defaults(path, tok)).validate()
+    t0 = time.perf_counter()
+    if a.chat:
+        tokens, seconds = chat_loop(a, model, tok, cfg, stdin, stdout)
+    else:
+        records, tokens, seconds = predict(a, model, tok, cfg, rows)
+        if a.output_file:
+            write_json_lines(a.output_file, records)
+            print(f"{len(records)} answers written to {a.output_file}", file=stdout)
+        else:
+            for r in records:
+                print(json.dumps(r, ensure_ascii=False), file=stdout)
+    wall = time.perf_counter() - t0
+    print(f"generated {tokens} tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
+          f"(wall {wall:.2f} s)", file=stdout, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

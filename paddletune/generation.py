@@ -1,0 +1,515 @@
+"""Text generation with a pre-allocated KV cache, and the `pipeline("text-generation")` API.
+
+    out = generate(model, [tok.encode("Hello"), tok.encode("Hi there")],
+                   GenerationConfig(max_new_tokens=32), tokenizer=tok)
+    out.sequences      # new token ids per prompt (through EOS / the stop string, if reached)
+    pipe = paddletune.pipeline("text-generation", model=dir, max_new_tokens=32)
+    pipe("Hello")      # [{"generated_text": "Hello ..."}]
+
+How one call runs (B prompts, longest L tokens, P prefix tokens, N = max_new_tokens):
+1. Prompts longer than `src_length` are cut from the LEFT (the end of a prompt matters most).
+2. Prompts are LEFT-padded to L, so every row's next token sits in the last column.
+   attention_mask [B, P+L+N] holds 1 for prefix, real prompt and generated positions, 0 for pads;
+   position ids count real tokens only: pos = P + cumsum(mask) - 1 (as transformers does), so a
+   padded row computes exactly what it would alone.
+3. One forward over [B, L] fills the KVCache (buffers [B, kv_heads, P+L+N, head_dim] allocated
+   once; each step writes its slice in place, nothing is concatenated).
+4. Each step feeds the B chosen tokens [B, 1] at position last+1 and reuses the cache. Rows that
+   finish (EOS or a stop string) are dropped from the batch (KVCache.select), so the step cost
+   follows the rows still running. The only host round-trip per step is reading the B new ids.
+
+Token choice per step (order as in transformers): repetition penalty (over prompt + generated
+tokens: logit / p if positive else logit * p) -> greedy argmax, or for sampling:
+logits / temperature -> keep top_k -> keep the smallest set of tokens whose probability mass
+reaches top_p -> draw by inverse CDF with uniforms from a numpy Generator seeded with `seed`;
+prompt i always uses the i-th row of draws, so the same seed and prompts give the same output
+whatever the batch size, and the global paddle RNG is not touched.
+"""
+import time
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
+
+import numpy as np
+import paddle
+
+from .models.cache import KVCache, PrefixCache
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128          # tokens generated per prompt at most
+    decode_strategy: str = "greedy_search"   # greedy_search | sampling
+    temperature: float = 1.0           # sampling: logits / temperature
+    top_k: int = 0                     # sampling: keep the k most likely tokens (0 = all)
+    top_p: float = 1.0                 # sampling: nucleus mass
+    repetition_penalty: float = 1.0    # > 1 discourages tokens already in prompt or output
+    eos_token_id: Optional[List[int]] = None   # stop after any of these ids
+    pad_token_id: Optional[int] = None
+    stop: List[str] = field(default_factory=list)   # stop strings (need a tokenizer)
+    seed: Optional[int] = None         # sampling seed; None draws one from numpy's global RNG
+    src_length: Optional[int] = None   # cut prompts to this many tokens from the left
+
+    def validate(self):
+        def bad(key, msg):
+            raise ValueError(f"generation: '{key}' {msg}")
+
+        if self.max_new_tokens is None or self.max_new_tokens <= 0:
+            bad("max_new_tokens", f"must be a positive number of tokens, got {self.max_new_tokens}")
+        if self.decode_strategy not in ("greedy_search", "sampling"):
+            bad("decode_strategy", f"must be greedy_search or sampling, got {self.decode_strategy!r}")
+        if not self.temperature > 0:
+            bad("temperature", f"must be > 0, got {self.temperature} (use greedy_search for argmax)")
+        if self.top_k < 0:
+            bad("top_k", f"must be >= 0 (0 = no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.src_length is not None and self.src_length <= 0:
+            bad("src_length", f"must be positive, got {self.src_length}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        return self
+
+    @classmethod
+    def from_kwargs(cls, base=None, **kw):
+        """A copy of `base` with keys of `kw` replaced; unknown keys are an error."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown generation argument(s) {unknown}; valid: {sorted(names)}")
+        vals = {f.name: getattr(base, f.name) for f in fields(cls)} if base else {}
+        vals.update(kw)
+        return cls(**vals).validate()
+
+
+@dataclass
+class GenerateOutput:
+    sequences: List[List[int]]     # new ids per prompt, EOS / stop-completing token included
+    finish_reasons: List[str]      # "eos" | "stop" | "length"
+    prompt_lengths: List[int]      # tokens of each prompt after the src_length cut
+    seconds: float = 0.0           # wall time of the forward passes and token choice
+    logits: Optional[List[np.ndarray]] = None   # with return_logits: per prompt [steps, V]
+    texts: Optional[List[str]] = None           # with a tokenizer: decoded, cut at a stop string
+
+    @property
+    def num_new_tokens(self):
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def tokens_per_second(self):
+        return self.num_new_tokens / max(self.seconds, 1e-9)
+
+
+# ------------------------------------------------------------------------------ token choice
+
+def penalize_repetition(logits, seen, penalty):
+    """logits [B, V]; seen [B, V] (1 where the token occurred). Occurred tokens get
+    logit / penalty when positive, logit * penalty otherwise (transformers' rule)."""
+    scaled = paddle.where(logits > 0, logits / penalty, logits * penalty)
+    return paddle.where(seen > 0, scaled, logits)
+
+
+def filter_top_k_top_p(logits, top_k=0, top_p=1.0):
+    """Set logits outside the top_k largest and outside the nucleus to -inf. [B, V] -> [B, V].
+
+    Nucleus: with probabilities sorted descending p(1) >= p(2) >= ..., token (i) is dropped when
+    the mass before it, p(1) + ... + p(i-1), already reaches top_p; the most likely token is
+    always kept. Example: p = [.5, .3, .2], top_p = .8 -> keeps the first two."""
+    V = logits.shape[-1]
+    neg = paddle.full_like(logits, -float("inf"))
+    if 0 < top_k < V:
+        kth = paddle.topk(logits, top_k, axis=-1)[0][:, -1:]
+        logits = paddle.where(logits < kth, neg, logits)
+    if top_p < 1.0:
+        order = paddle.argsort(logits, axis=-1, descending=True)
+        sorted_logits = paddle.take_along_axis(logits, order, axis=-1)
+        probs = paddle.nn.functional.softmax(sorted_logits, axis=-1)
+        before = paddle.cumsum(probs, axis=-1) - probs
+        drop_sorted = (before >= top_p).astype("int32")
+        drop = paddle.put_along_axis(paddle.zeros_like(drop_sorted), order, drop_sorted, axis=-1)
+        logits = paddle.where(drop > 0, neg, logits)
+    return logits
+
+
+def sample_from(probs, u):
+    """Inverse-CDF draw: probs [B, V] (rows need not sum to 1), u [B, 1] uniform in (0, 1].
+    Returns ids [B]: the first index whose cumulative mass reaches u * total. Zero-probability
+    tokens are never chosen."""
+    cdf = paddle.cumsum(probs.astype("float32"), axis=-1)
+    target = u * cdf[:, -1:]
+    idx = (cdf < target).astype("int64").sum(-1)
+    return paddle.clip(idx, max=probs.shape[-1] - 1)
+
+
+def choose_tokens(logits, cfg, seen=None, u=None):
+    """logits [B, V] float32 -> next ids [B] int64, following `cfg` (see module docstring)."""
+    if cfg.repetition_penalty != 1.0 and seen is not None:
+        logits = penalize_repetition(logits, seen, cfg.repetition_penalty)
+    if cfg.decode_strategy == "greedy_search":
+        return paddle.argmax(logits, axis=-1)
+    logits = filter_top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p)
+    probs = paddle.nn.functional.softmax(logits, axis=-1)
+    return sample_from(probs, u)
+
+
+# ------------------------------------------------------------------------------ the loop
+
+def _model_dtype(model):
+    for p in model.parameters():
+        if p.dtype in (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64):
+            return p.dtype
+    return paddle.float32
+
+
+def _prefix_of(model, prefix):
+    """(keys, values) per layer [kv_heads, P, head_dim], from the argument or from the prefix
+    encoder that prefix tuning attached to the model (peft/prefix.py)."""
+    if prefix is not None:
+        return prefix
+    enc = getattr(model, "prefix_encoder", None)
+    return enc.prefix_kv() if enc is not None else None
+
+
+def _prepare(prompts, cfg, P, pad_id):
+    """Cut, left-pad and mask the prompts. Returns numpy ids [B, L], mask [B, P+L+N], positions
+    [B, L], lengths [B]."""
+    cut = [list(p)[-cfg.src_length:] if cfg.src_length else list(p) for p in prompts]
+    for i, p in enumerate(cut):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+    lengths = np.array([len(p) for p in cut])
+    B, L, N = len(cut), int(lengths.max()), cfg.max_new_tokens
+    ids = np.full((B, L), pad_id, np.int64)
+    mask = np.ones((B, P + L + N), np.int64)
+    for i, p in enumerate(cut):
+        ids[i, L - len(p):] = p
+        mask[i, P:P + L - len(p)] = 0
+    prompt_mask = mask[:, P:P + L]
+    pos = P + np.maximum(np.cumsum(prompt_mask, axis=1) - 1, 0)
+    return ids, mask, pos, lengths
+
+
+def _stop_hit(tokenizer, row_ids, stops, window):
+    text = tokenizer.decode(row_ids[-window:], skip_special_tokens=False)
+    return any(s in text for s in stops)
+
+
+class _LiveBatch:
+    """Device state of the rows still generating. `rows` maps live rows to prompt indices."""
+
+    def __init__(self, model, ids, mask, pos, P, N, prefix, use_cache, seen):
+        self.model, self.P, self.prefix, self.use_cache = model, P, prefix, use_cache
+        B, L = ids.shape
+        self.rows = np.arange(B)
+        self.need_mask = bool((mask == 0).any())
+        self.mask = paddle.to_tensor(mask)
+        self.ids = paddle.to_tensor(ids)           # next forward's input: prompt, then [B, 1]
+        self.pos = paddle.to_tensor(pos)
+        self.prompt_pos = self.pos                 # uncached path: full positions each step
+        self.seq = self.ids                        # uncached path: whole sequence so far
+        self.seen = seen
+        self.past = P
+        self.cache = None
+        if use_cache:
+            self.cache = KVCache.for_model(model, B, P + L + N, dtype=_model_dtype(model))
+            if prefix:
+                self.cache.fill_prefix(*prefix)
+
+    def logits(self, step):
+        """Last-position logits [live, V] (float32) of this step's forward."""
+        if self.use_cache:
+            ids, pos, cache = self.ids, self.pos, self.cache
+            T = self.past + ids.shape[1]
+        else:   # recompute everything; a prefix enters through a PrefixCache (never grows)
+            ids, cache = self.seq, PrefixCache(*self.prefix) if self.prefix else None
+            gen = self.prompt_pos[:, -1:] + paddle.arange(1, step + 1, dtype="int64").unsqueeze(0)
+            pos = paddle.concat([self.prompt_pos, gen], axis=1) if step else self.prompt_pos
+            T = self.P + ids.shape[1]
+        mask = self.mask[:, :T] if self.need_mask else None
+        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+        return out.logits[:, -1].astype("float32")
+
+    def advance(self, tok):
+        """Append the chosen ids tok [live] to every row."""
+        self.past += self.ids.shape[1]
+        self.ids = tok.reshape([-1, 1])
+        self.pos = self.pos[:, -1:] + 1
+        if self.seen is not None:
+            self.seen = paddle.put_along_axis(self.seen, self.ids, 1.0, axis=-1)
+        if not self.use_cache:
+            self.seq = paddle.concat([self.seq, self.ids], axis=1)
+
+    def keep(self, keep):
+        """Drop finished rows: keep live rows `keep` (list of indices)."""
+        self.rows = self.rows[keep]
+        idx = paddle.to_tensor(keep, dtype="int64")
+        for name in ("ids", "pos", "mask", "seen", "seq", "prompt_pos"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, paddle.gather(t, idx))
+        if self.cache is not None:
+            self.cache.select(keep)
+
+
+def _special_ids(cfg, model, tokenizer):
+    """(eos ids list, pad id): from cfg, else the tokenizer, else the model config."""
+    eos = cfg.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    pad = cfg.pad_token_id
+    if pad is None:
+        cands = (tokenizer.pad_token_id if tokenizer else None, model.config.pad_token_id,
+                 eos[0] if eos else None)
+        pad = next((x for x in cands if x is not None), 0)
+    return eos, pad
+
+
+@paddle.no_grad()
+def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache=True,
+             return_logits=False, **kwargs):
+    """Generate for a batch of prompts (lists of token ids). See the module docstring.
+
+    `config` (GenerationConfig) with `kwargs` overriding its fields. eos/pad default to the
+    tokenizer's, or the model config's. `prefix` = (keys, values), per layer
+    [kv_heads, P, head_dim], starts every row from learned prefixes (prefix tuning); a model
+    with a prefix-tuning encoder supplies its own. `use_cache=False` recomputes the whole
+    sequence every step (the reference the cached path is tested against)."""
+    cfg = GenerationConfig.from_kwargs(config, **kwargs)
+    if not prompts or isinstance(prompts[0], (int, np.integer)):
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if cfg.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the output")
+    eos, pad = _special_ids(cfg, model, tokenizer)
+    eos_set = set(eos)
+    prefix = _prefix_of(model, prefix)
+    P = prefix[0][0].shape[1] if prefix else 0
+    ids, mask, pos, lengths = _prepare(prompts, cfg, P, pad)
+    B, L, N = ids.shape[0], ids.shape[1], cfg.max_new_tokens
+    rng = np.random.default_rng(cfg.seed if cfg.seed is not None else np.random.randint(2**31))
+    uniforms = 1.0 - rng.random((B, N)).T if cfg.decode_strategy == "sampling" else None
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = np.zeros((B, model.config.vocab_size), np.float32)
+        for i in range(B):
+            seen[i, ids[i, L - lengths[i]:]] = 1.0
+        seen = paddle.to_tensor(seen)
+
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    live = _LiveBatch(model, ids, mask, pos, P, N, prefix, use_cache, seen)
+    out, logits_out = [[] for _ in range(B)], [[] for _ in range(B)]
+    reasons = ["length"] * B
+    stop_window = 8 + 4 * max((len(s) for s in cfg.stop), default=0)
+    for step in range(N):
+        logits = live.logits(step)
+        u = None if uniforms is None else paddle.to_tensor(uniforms[step, live.rows].reshape([-1, 1]),
+                                                           dtype="float32")
+        tok = choose_tokens(logits, cfg, live.seen, u)
+        tok_np = tok.numpy()                     # the one host round-trip per step
+        lg = logits.numpy() if return_logits else None
+        done = []
+        for j, r in enumerate(live.rows):
+            out[r].append(int(tok_np[j]))
+            if return_logits:
+                logits_out[r].append(lg[j])
+            if out[r][-1] in eos_set:
+                reasons[r] = "eos"
+            elif cfg.stop and _stop_hit(tokenizer, out[r], cfg.stop, stop_window):
+                reasons[r] = "stop"
+            else:
+                continue
+            done.append(j)
+        live.advance(tok)
+        if done:
+            keep = [j for j in range(len(live.rows)) if j not in done]
+            if not keep:
+                break
+            live.keep(keep)
+    seconds = time.perf_counter() - t0
+    if was_training:
+        model.train()
+    res = GenerateOutput(out, reasons, lengths.tolist(), seconds,
+                         [np.stack(x) for x in logits_out] if return_logits else None)
+    if tokenizer is not None:
+        res.texts = [decode_output(tokenizer, s, cfg.stop, eos) for s in out]
+    return res
+
+
+def decode_output(tokenizer, ids, stops=(), eos=()):
+    """Text of generated ids: EOS dropped, special tokens skipped, cut before a stop string."""
+    ids = [i for i in ids if i not in set(eos)]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+# ------------------------------------------------------------------------------ loading, pipeline
+
+def checkpoint_defaults(path, tokenizer):
+    """eos/pad GenerationConfig fields a checkpoint implies: eos ids = generation_config.json's
+    eos_token_id (an id or a list: Llama-3 / Qwen2 list end-of-turn ids there) + the
+    tokenizer's eos + the chat template's end-of-turn token; pad = the tokenizer's pad."""
+    import os
+
+    from .io import read_json
+
+    gen = os.path.join(path, "generation_config.json") if path else ""
+    eos = read_json(gen).get("eos_token_id") if gen and os.path.isfile(gen) else None
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    from .data.chat_template import stop_token_ids
+
+    try:
+        ends = stop_token_ids(tokenizer)   # the template's end-of-turn id (if any) + EOS
+    except Exception:   # a template that cannot render a plain user/assistant pair
+        ends = [tokenizer.eos_token_id]
+    for i in ends:
+        if i is not None and i not in eos:
+            eos.append(i)
+    return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
+
+
+def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True):
+    """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
+    built-in name or an already built model. A LoRA adapter (HF-PEFT files) is loaded on top
+    and, with merge_lora, folded into the weights (W += s A B: faster, same outputs); prefixes
+    (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache."""
+    from .models import load_model, resolve_model_path
+    from .tokenizer import load_tokenizer
+
+    path = None
+    if isinstance(model, str):
+        path = resolve_model_path(model)
+        model = load_model(path)
+    else:
+        path = getattr(model, "name_or_path", None)
+    if tokenizer is None or isinstance(tokenizer, str):
+        if tokenizer is None and path is None:
+            raise ValueError("pass tokenizer= (a Tokenizer or its directory) with an in-memory model")
+        tokenizer = load_tokenizer(tokenizer or path)
+    if lora_path or prefix_path:
+        from . import peft
+
+        peft.load_adapter(model, lora_path=lora_path, prefix_path=prefix_path)
+        layers = peft.lora.lora_layers(model)
+        if merge_lora and layers and all(isinstance(m.base_layer, paddle.nn.Linear) for m in layers.values()):
+            peft.lora.merge(model)   # (a quantized backbone keeps its adapters unmerged)
+    model.eval()
+    return model, tokenizer, path
+
+
+def _split_messages(conversation):
+    """(system messages, [rounds]) where each round starts at a user message."""
+    from .data.chat_template import normalize_conversation
+
+    msgs = normalize_conversation(conversation)
+    system = [m for m in msgs[:1] if m["role"] == "system"]
+    rounds = []
+    for m in msgs[len(system):]:
+        if not rounds or m["role"] == "user":
+            rounds.append([])
+        rounds[-1].append(m)
+    return system, rounds
+
+
+def encode_prompt(tokenizer, conversation, use_template=True, src_length=None):
+    """Prompt ids, at most `src_length` long.
+
+    With the tokenizer's chat template (`use_template`): `conversation` is a string (one user
+    turn), PaddleNLP pairs [[q1, a1], ..., [q]] or messages ending with a user turn; it is
+    rendered with add_generation_prompt, tokenised as in training (Tokenizer.apply_chat_template).
+    Too long: the oldest rounds are dropped (a system message stays), then the last user text
+    is cut from the left inside the template, and as a last resort the ids from the left.
+    Without: the string is encoded with the tokenizer's specials (BOS ...), and its text tokens
+    are cut from the left (the specials stay), as in training without a template."""
+    if not use_template:
+        if not isinstance(conversation, str):
+            raise ValueError("a conversation (several rounds or messages) needs a chat template; "
+                             "set chat_template")
+        ids = tokenizer.encode(conversation)
+        if src_length and len(ids) > src_length:
+            pre, post = tokenizer.special_tokens_around()
+            text = tokenizer.encode(conversation, add_special_tokens=False)
+            keep = max(src_length - len(pre) - len(post), 0)
+            ids = pre + (text[len(text) - keep:] if keep else []) + post
+        return ids
+    system, rounds = _split_messages(conversation)
+    if rounds[-1][-1]["role"] != "user":
+        raise ValueError("the conversation must end with a user message to generate the answer")
+
+    def render(rs):
+        return tokenizer.apply_chat_template(system + [m for r in rs for m in r], add_generation_prompt=True)
+
+    ids = render(rounds)
+    while src_length and len(ids) > src_length and len(rounds) > 1:
+        rounds = rounds[1:]
+        ids = render(rounds)
+    last = rounds[-1][-1]
+    for _ in range(4):   # cut the user text; re-encoding may shift a token, so re-check
+        if not src_length or len(ids) <= src_length:
+            break
+        text = tokenizer.encode(last["content"], add_special_tokens=False)
+        keep = max(len(text) - (len(ids) - src_length), 0)
+        last = dict(last, content=tokenizer.decode(text[len(text) - keep:]) if keep else "")
+        ids = render(rounds[:-1] + [rounds[-1][:-1] + [last]])
+    return ids[len(ids) - src_length:] if src_length and len(ids) > src_length else ids
+
+
+class TextGenerationPipeline:
+    """pipe(inputs, **generation overrides), as transformers' text-generation pipeline:
+    - a string (or a list of strings) is fed as raw text (the tokenizer's BOS rule applies) ->
+      [{"generated_text": prompt + completion}] (completion only with return_full_text=False);
+    - messages [{"role", "content"}, ...] (or a list of such) are rendered with the chat
+      template -> [{"generated_text": messages + [{"role": "assistant", "content": answer}]}].
+    Inputs are batched `batch_size` at a time with left padding."""
+
+    def __init__(self, model, tokenizer, config, batch_size=8):
+        self.model, self.tokenizer, self.config, self.batch_size = model, tokenizer, config, batch_size
+
+    def __call__(self, inputs, return_full_text=True, **kwargs):
+        is_chat = lambda x: isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)  # noqa: E731
+        single = isinstance(inputs, str) or is_chat(inputs)
+        items = [inputs] if single else list(inputs)
+        if not items or not all(isinstance(x, str) or is_chat(x) for x in items):
+            raise TypeError("text-generation inputs: a string, a list of messages, or a non-empty "
+                            "list of those")
+        cfg = GenerationConfig.from_kwargs(self.config, **kwargs)
+        results = []
+        for i in range(0, len(items), self.batch_size):
+            chunk = items[i:i + self.batch_size]
+            prompts = [encode_prompt(self.tokenizer, x, not isinstance(x, str), cfg.src_length)
+                       for x in chunk]
+            out = generate(self.model, prompts, cfg, tokenizer=self.tokenizer)
+            for x, gen in zip(chunk, out.texts):
+                if not isinstance(x, str):
+                    full = list(x) + [{"role": "assistant", "content": gen}]
+                    results.append([{"generated_text": full if return_full_text else gen}])
+                else:
+                    results.append([{"generated_text": (x + gen) if return_full_text else gen}])
+        return results[0] if single else results
+
+
+def pipeline(task, model=None, tokenizer=None, lora=None, prefix=None, batch_size=8,
+             merge_lora=True, **kwargs):
+    """paddletune.pipeline("text-generation", model=dir_or_model, lora=adapter_dir,
+    prefix=prefix_dir, max_new_tokens=..., decode_strategy=..., ...) -> TextGenerationPipeline.
+    Generation keywords are GenerationConfig fields; they become the pipeline's defaults.
+    `merge_lora=False` keeps the LoRA layers unmerged (same outputs, slower)."""
+    if task != "text-generation":
+        raise ValueError(f"task {task!r} is not supported; use 'text-generation'")
+    if model is None:
+        raise ValueError("pipeline('text-generation') needs model= (a checkpoint directory, a "
+                         "built-in name such as paddletune/tiny-llama, or a loaded model)")
+    base = GenerationConfig.from_kwargs(**kwargs)   # bad keys fail before the model is loaded
+    model, tokenizer, path = load_for_generation(model, tokenizer, lora, prefix, merge_lora)
+    defaults = checkpoint_defaults(path, tokenizer)
+    for key in ("eos_token_id", "pad_token_id"):
+        if key not in kwargs:
+            setattr(base, key, defaults[key])
+    return TextGenerationPipeline(model, tokenizer, base, batch_size)
