@@ -79,12 +79,34 @@ def test_one_pass_equals_token_by_token_through_cache(kv_heads):
     x = ids(S=7)
     full = run(model, x)
     assert rel_err(full, run(tiny(num_key_value_heads=kv_heads), x)) > 1e-2  # the prefix matters
-    cache = KVCache.for_model(model, 2, 3 + 7)
-    cache.fill_prefix(*prefix.prefix_kv(model))
+    cache = prefix.fill_cache(model, KVCache.for_model(model, 2, 3 + 7))
     assert cache.length == 3
     parts = [run(model, x[:, :4], cache=cache)]          # a chunk, then one token at a time
     parts += [run(model, x[:, t:t + 1], cache=cache) for t in range(4, 7)]
     assert rel_err(np.concatenate(parts, axis=1), full) < 1e-5
+
+
+def test_recompute_with_prefix_gives_same_gradients(monkeypatch):
+    from paddletune.models import llama
+
+    calls = []
+    forward = llama.LlamaDecoderLayer.forward
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    grads = []
+    for rc in (False, True):
+        model = tiny()
+        setup = peft.apply(model, margs(num_prefix_tokens=3))
+        randomize(setup.trainable)
+        model.train()
+        model.recompute = rc
+        x = paddle.to_tensor(ids())
+        calls.clear()
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.numpy() for n, p in setup.trainable.items()})
+        assert len(calls) == (4 if rc else 2)            # recompute re-runs both layers
+    for n in grads[0]:
+        assert rel_err(grads[1][n], grads[0][n]) < 1e-6
 
 
 def test_attention_mask_is_extended_left_padding():
