@@ -210,8 +210,11 @@ class LlamaForCausalLM(nn.Layer):
         cos, sin = self.rope_tables(position_ids)
         bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
         for layer in self.model.layers:
-            # a PrefixCache (prefix tuning) holds no state between calls, so recompute is safe
-            if self.recompute and self.training and (cache is None or isinstance(cache, PrefixCache)):
+            # recompute only where the layer input carries a gradient (a frozen embedding's output
+            # does not: recomputing that layer would save nothing and paddle warns about it); a
+            # PrefixCache (prefix tuning) holds no state between calls, so recompute is safe with it
+            if (self.recompute and self.training and not h.stop_gradient
+                    and (cache is None or isinstance(cache, PrefixCache))):
                 from paddle.distributed.fleet.utils import recompute
                 h = recompute(layer, h, cos, sin, bias, cache, use_reentrant=False)
             else:
