@@ -15,6 +15,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .cache import PrefixCache
 from .layers import (CausalLMOutput, RMSNorm, apply_rope, attention, attention_bias,
                      causal_lm_loss, rope_cos_sin, rope_inv_freq)
 from .spec import ModelSpec, register
@@ -210,10 +211,12 @@ class LlamaForCausalLM(nn.Layer):
         bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
         for layer in self.model.layers:
             # recompute only where the layer input carries a gradient (a frozen embedding's output
-            # does not: recomputing that layer would save nothing and paddle warns about it)
-            if self.recompute and self.training and cache is None and not h.stop_gradient:
+            # does not: recomputing that layer would save nothing and paddle warns about it); a
+            # PrefixCache (prefix tuning) holds no state between calls, so recompute is safe with it
+            if (self.recompute and self.training and not h.stop_gradient
+                    and (cache is None or isinstance(cache, PrefixCache))):
                 from paddle.distributed.fleet.utils import recompute
-                h = recompute(layer, h, cos, sin, bias, use_reentrant=False)
+                h = recompute(layer, h, cos, sin, bias, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, bias, cache)
         if cache is not None:

@@ -130,5 +130,5 @@ def check_shapes(shapes, tensors, where):
     for n, a in tensors.items():
         if list(a.shape) != list(shapes[n]):
             raise ValueError(f"{where}: {n} has shape {list(a.shape)}, this model needs "
-                             f"{list(shapes[n])} (paddle layout): the adapter was trained on "
-                             "a base model of different size")
+                             f"{list(shapes[n])} (paddle layout): the adapter belongs to "
+                             "a base model of other shapes")

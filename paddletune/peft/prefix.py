@@ -16,7 +16,8 @@ Files: HF-PEFT's PREFIX_TUNING format, which torch `peft` loads as it is:
   adapter_config.json        peft_type PREFIX_TUNING, num_virtual_tokens P, num_layers L,
                              num_attention_heads K, token_dim K*D, prefix_projection false
   adapter_model.safetensors  prompt_embeddings [P, L*2*K*D] (layout converted in models/hf.py)
-For generation, `prefix_kv(model)` gives per-layer lists for KVCache.fill_prefix(keys, values).
+For generation, `prefix_kv(model)` gives per-layer lists for KVCache.fill_prefix(keys, values)
+(`fill_cache(model, cache)` does both); the hook is bypassed whenever a cache is passed.
 """
 import logging
 import os
@@ -87,6 +88,16 @@ def prefix_kv(model):
     """Per-layer (keys, values) of the model's prefix, for KVCache.fill_prefix; None if absent."""
     enc = getattr(model, "prefix_encoder", None)
     return None if enc is None else enc.prefix_kv()
+
+
+def fill_cache(model, cache):
+    """Start a generation KVCache from the model's prefix, if it has one (else leave it empty).
+    The caller's attention mask must then cover cache.length + new tokens ([B, P+S])."""
+    kv = prefix_kv(model)
+    if kv is not None:
+        with paddle.no_grad():
+            cache.fill_prefix(*kv)
+    return cache
 
 
 def new_encoder(model, num_tokens, projection=False, hidden=-1):
