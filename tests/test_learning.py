@@ -38,3 +38,15 @@ def test_greedy_generation_reproduces_targets_after_training(tmp_path):
             out.append(nxt)
             logits = model(paddle.to_tensor(np.array([[nxt]])), cache=cache).logits
         assert out == ex["input_ids"][7:].tolist()
+
+
+def test_divergence_stops_with_a_clear_error(tmp_path):
+    import pytest
+
+    path, _ = hf_checkpoint(tmp_path / "ck", "llama")
+    model = load_model(path)
+    trainer = Trainer(model, training_args(tmp_path / "out", max_steps=5, learning_rate=float("inf"), logging_steps=1,
+                                           max_grad_norm=0.0),
+                      train_dataset=copy_pairs(), export_fn=lambda d: None)
+    with pytest.raises(FloatingPointError, match="training diverged at step"):
+        trainer.train()

@@ -75,6 +75,7 @@ class Trainer:
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
         self.main = self.topo.is_main
+        self._last_norm, self._last_lr = None, 0.0
         self.model.recompute = bool(args.recompute)
 
     # ---------------------------------------------------------------- setup
@@ -165,6 +166,7 @@ class Trainer:
                 interval["tokens"] += ntok
                 interval["targets"] += ntgt
                 interval["norm"] = norm
+                self._last_norm, self._last_lr = norm, lr
                 info = {"step": st["global_step"], "lr": lr, "micro_batches": micro,
                         "epoch": epoch + (s + 1) / spe if spe else epoch}
                 for cb in self.callbacks:
@@ -200,8 +202,10 @@ class Trainer:
     def _log_interval(self, info, interval):
         loss = float(parallel.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
         dt = max(time.time() - interval["t0"], 1e-9)
+        norm = float(interval["norm"])
+        self._check_finite(loss, norm, info["lr"])
         rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4), "loss": loss,
-               "lr": info["lr"], "grad_norm": float(interval["norm"]),
+               "lr": info["lr"], "grad_norm": norm,
                "tokens_per_sec": round(interval["tokens"] / dt, 1),
                "target_tokens_per_sec": round(interval["targets"] / dt, 1)}
         self._record(rec)
@@ -281,8 +285,19 @@ class Trainer:
     def checkpoint_path(self, step):
         return os.path.join(self.args.output_dir, f"checkpoint-{step}")
 
+    def _check_finite(self, loss, norm, lr):
+        """Stop on a non-finite loss or gradient norm instead of training on garbage (checked
+        when the values are synced anyway: at logging and before a checkpoint is written)."""
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise FloatingPointError(
+                f"training diverged at step {self.state['global_step']}: loss={loss}, grad_norm={norm} "
+                f"(learning rate {lr:.3g}). Lower learning_rate, add warmup_steps, or set max_grad_norm; "
+                "the last checkpoint (if any) is still valid")
+
     def save_checkpoint(self):
         step = self.state["global_step"]
+        if self._last_norm is not None:
+            self._check_finite(0.0, float(self._last_norm), self._last_lr)
         rngs = parallel.all_gather_json(ckpt.rng_state())
         # streamed data (lazy) cannot be re-derived from the step: keep each rank's position
         data = (parallel.all_gather_json(self.train_source.state_dict())
