@@ -60,7 +60,7 @@ def main(argv=None):
         logger.info("train: %d examples, %d tokens (%d target) from %s", len(train_ds),
                     train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
 
-    model = load_model(model_path)
+    model = load_model(model_path, quant=quant_args)   # logs the quantized byte ratio
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)
 

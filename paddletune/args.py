@@ -210,7 +210,7 @@ FEATURE_NOT_YET = {
     "bitfit": "PEFT issue", "rdrop": "PEFT issue", "neftune": "PEFT issue",
     "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
     "chat_template": "data issue", "eval_with_do_generation": "inference issue",
-    "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
+    "save_generation_output": "inference issue",
 }
 # parallel degrees: values above 1 are refused until the parallel issues land
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
@@ -437,6 +437,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
 
         if device() == "cpu":
             warn("'use_flash_attention: true' has no effect on CPU: the exact attention kernel is used")
+    _check_quant(model_args, quant_args, args, err)
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
@@ -444,3 +445,22 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
         err("sharding", f"'{args.sharding}' is not available yet (sharding issue); remove it")
     if data_args.intokens:
         data_args.zero_padding = True
+
+
+PEFT_KEYS = ("lora", "prefix_tuning", "adapter", "lowrank_adapter", "bitfit")
+
+
+def _check_quant(model_args, quant_args, args, err):
+    """A quantized backbone is frozen: training needs a PEFT method; block sizes must fit."""
+    if not quant_args.weight_quantize_algo:
+        return
+    if quant_args.weight_blocksize <= 0 or quant_args.weight_blocksize % 2:
+        err("weight_blocksize", f"must be a positive even number (two 4-bit codes per byte), "
+            f"got {quant_args.weight_blocksize}")
+    if quant_args.weight_double_quant_block_size <= 0:
+        err("weight_double_quant_block_size",
+            f"must be positive, got {quant_args.weight_double_quant_block_size}")
+    if args.do_train and not any(getattr(model_args, k) for k in PEFT_KEYS):
+        err("weight_quantize_algo", f"= {quant_args.weight_quantize_algo} freezes the quantized "
+            "Linear weights, so training needs a PEFT method on top: set lora: true (QLoRA), or "
+            "one of prefix_tuning / adapter / lowrank_adapter / bitfit")
