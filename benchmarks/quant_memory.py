@@ -138,7 +138,7 @@ def main(argv=None):
         rel = f"{r['tokens_per_sec'] / plain['tokens_per_sec']:.2f}x" if plain else "-"
         name = "float32 (plain LoRA)" if r["algo"] == "none" else r["algo"] + (
             " +dq" if a.double_quant and r["algo"] != "weight_only_int8" else "")
-        print(f"| {name} | {r['backbone'] / mib:.2f} | {r['model'] / mib:.2f} | {r['peak'] / mib:.1f} "
+        print(f"| {name} | {r['backbone'] / mib:.3f} | {r['model'] / mib:.3f} | {r['peak'] / mib:.1f} "
               f"| {r['tokens_per_sec']:.0f} | {rel} |")
     print("\ncommand: python " + " ".join(shlex.quote(x) for x in
                                           [os.path.relpath(__file__, ROOT)] + list(argv or sys.argv[1:])))
