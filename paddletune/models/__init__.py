@@ -111,8 +111,8 @@ def load_weights(model, path, spec=None, reader=None, params=None):
 def _unmap(reader, name):
     files = getattr(reader, "files", None)
     f = files.get(name) if isinstance(files, dict) else None
-    if f is not None and hasattr(f, "_mm"):
-        f._mm = None   # remapped on the next read; unmapping returns the read pages
+    if f is not None and hasattr(f, "release"):
+        f.release()   # remapped on the next read; unmapping returns the read pages
 
 
 def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
