@@ -1,6 +1,6 @@
 """Quantized-backbone LoRA (QLoRA) vs plain LoRA: backbone bytes, peak training RSS, tokens/s.
 
-    python benchmarks/quant_memory.py                       # default: ~60M-param Llama, 8 steps
+    python benchmarks/quant_memory.py                       # default: ~117M-param Llama, 6 steps
     python benchmarks/quant_memory.py --hidden 64 --layers 2 --intermediate 128 --vocab 600 \
         --seq 32 --batch 2 --steps 1                        # smoke run (what the tests do)
 
@@ -28,14 +28,14 @@ ALGOS = ("none", "weight_only_int8", "weight_only_int4", "nf4", "fp4")
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--intermediate", type=int, default=2816)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--blocksize", type=int, default=64)
     p.add_argument("--double-quant", action="store_true", help="8-bit block scales (4-bit algorithms)")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of " + ",".join(ALGOS))

@@ -484,7 +484,11 @@ def _check_quant(model_args, quant_args, args, err):
     if quant_args.weight_double_quant_block_size <= 0:
         err("weight_double_quant_block_size",
             f"must be positive, got {quant_args.weight_double_quant_block_size}")
+    if model_args.bitfit:
+        err("bitfit", f"cannot be combined with weight_quantize_algo={quant_args.weight_quantize_algo}: "
+            "BitFit adds biases to nn.Linear layers, and the decoder Linears are quantized; use "
+            "lora: true (QLoRA), or drop weight_quantize_algo")
     if args.do_train and not any(getattr(model_args, k) for k in PEFT_METHODS):
         err("weight_quantize_algo", f"= {quant_args.weight_quantize_algo} freezes the quantized "
             "Linear weights, so training needs a PEFT method on top: set lora: true (QLoRA), or "
-            "one of prefix_tuning / adapter / lowrank_adapter / bitfit")
+            "one of prefix_tuning / adapter / lowrank_adapter")

@@ -283,5 +283,31 @@ def test_argument_checks(tmp_path):
         build(dict(base, do_train=False, do_eval=True, weight_blocksize=63))
     with pytest.raises(ArgumentError, match="must be one of"):
         build(dict(base, weight_quantize_algo="int3"))
+    with pytest.raises(ArgumentError, match="bitfit"):
+        build(dict(base, bitfit=True))
     q = build(dict(base, do_train=False, do_eval=True))[2]
+    assert build(dict(base, lora=True))[2].weight_quantize_algo == "nf4"
     assert q.weight_quantize_algo == "nf4"
+
+
+def test_fused_gpu_path_falls_back_when_it_cannot_run(monkeypatch, caplog):
+    """The fused weight_only_linear path is untested here (no GPU); its guard is: force it on
+    this CPU (where paddle has no kernel), and the layer must warn once and give the reference
+    result with its own codes intact."""
+    import logging
+
+    from paddletune.quant import gpu
+
+    monkeypatch.setattr(gpu, "_STATE", {"disabled": False})
+    monkeypatch.setattr(gpu, "_eligible", lambda x, layer: True)
+    w = np.random.default_rng(7).standard_normal((32, 64)).astype(np.float32)
+    layer = make_layer(w, "weight_only_int8")
+    x = np.random.default_rng(8).standard_normal((2, 64)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="paddletune"):
+        y1 = layer(paddle.to_tensor(x)).numpy()
+        y2 = layer(paddle.to_tensor(x)).numpy()
+    assert sum("fused weight_only_linear disabled" in r.getMessage() for r in caplog.records) == 1
+    assert layer.fused is None and layer.loaded
+    ref = x @ brute_force(w, "weight_only_int8").T
+    np.testing.assert_allclose(y1, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(y1, y2)

@@ -24,7 +24,7 @@ CHECK_TOL = {"int8": 2e-2, "int4": 2e-2}   # relative max error vs the reference
 
 def _eligible(x, layer):
     algo = layer.algo
-    if _STATE["disabled"] or algo.fused_dtype is None or not paddle.is_compiled_with_cuda():
+    if algo.fused_dtype is None or not paddle.is_compiled_with_cuda():
         return False
     if not x.place.is_gpu_place() or x.dtype not in (paddle.float16, paddle.bfloat16):
         return False
@@ -94,8 +94,9 @@ class _FusedMatmul(PyLayer):
 
 def try_fused(x, layer):
     """Fused product x @ W^T, or None when the reference path must be used."""
-    if layer.fused is None and not (_eligible(x, layer) and layer.loaded and _convert(layer, x.dtype)):
-        return None
+    if layer.fused is None:
+        if _STATE["disabled"] or not (_eligible(x, layer) and layer.loaded and _convert(layer, x.dtype)):
+            return None
     if layer.fused is not None and x.dtype != layer.fused["dtype"]:
         x = x.astype(layer.fused["dtype"])
     return _FusedMatmul.apply(x, layer)

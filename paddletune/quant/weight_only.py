@@ -2,8 +2,8 @@
 
 A frozen weight W is stored in Hugging Face layout [out, in] (row r = output feature r) as codes
 and scales only; the forward computes y = x @ W^T (+ bias) by dequantizing W into the compute
-dtype row-chunk by row-chunk, and the backward recomputes dW-free dx = dy @ W the same way, so no
-full-precision copy of W is ever kept, not even for autograd.
+dtype row-chunk by row-chunk, and the backward dequantizes again for dx = dy @ W (W is frozen: no
+dW), so no full-precision copy of W is ever kept, not even for autograd.
 
 Algorithms (one row each in ALGORITHMS: quantize / dequantize / matmul):
 
