@@ -125,14 +125,13 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     spec, cfg = load_config(path)
     model = build_model(cfg)
     model.name_or_path = path
-    if quant is not None and getattr(quant, "weight_quantize_algo", getattr(quant, "algo", None)):
+    if quant is not None:
         from ..quant import format_report, quantize_model_lazily
 
-        quantize_model_lazily(model, quant)
-        load_weights(model, path, spec)
-        logger.info("%s", format_report(model))
-    else:
-        load_weights(model, path, spec)
+        quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
+    load_weights(model, path, spec)
+    if getattr(model, "quant_config", None) is not None:
+        logger.info("%s", format_report(model))   # bytes held vs float32, whole model
     model.eval()
     return model
 
