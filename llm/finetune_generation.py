@@ -79,7 +79,7 @@ def main(argv=None):
     train_source = build_train_source(data_args, args, tok, train_ds, topo) if train_ds is not None else None
     set_flash_attention(model_args.use_flash_attention)   # packed rows: varlen flash on GPU
 
-    model = load_model(model_path)
+    model = load_model(model_path, quant=quant_args)   # logs the quantized byte ratio
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)
 

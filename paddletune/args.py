@@ -205,7 +205,6 @@ REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
 # key -> where it lands, for features not built yet: a non-default value is refused until then
 FEATURE_NOT_YET = {
-    "weight_quantize_algo": "quantization issue",
 }
 # parallel degrees: values above 1 are refused until the parallel issues land
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
@@ -433,6 +432,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
 
         if device() == "cpu":
             warn("'use_flash_attention: true' has no effect on CPU: the exact attention kernel is used")
+    _check_quant(model_args, quant_args, args, err)
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
@@ -496,3 +496,23 @@ def _check_peft(m, data_args, err):
         err("neftune_noise_alpha", f"must be >= 0, got {m.neftune_noise_alpha}")
     if m.rdrop and m.rdrop_alpha < 0:
         err("rdrop_alpha", f"must be >= 0, got {m.rdrop_alpha}")
+
+
+def _check_quant(model_args, quant_args, args, err):
+    """A quantized backbone is frozen: training needs a PEFT method; block sizes must fit."""
+    if not quant_args.weight_quantize_algo:
+        return
+    if quant_args.weight_blocksize <= 0 or quant_args.weight_blocksize % 2:
+        err("weight_blocksize", f"must be a positive even number (two 4-bit codes per byte), "
+            f"got {quant_args.weight_blocksize}")
+    if quant_args.weight_double_quant_block_size <= 0:
+        err("weight_double_quant_block_size",
+            f"must be positive, got {quant_args.weight_double_quant_block_size}")
+    if model_args.bitfit:
+        err("bitfit", f"cannot be combined with weight_quantize_algo={quant_args.weight_quantize_algo}: "
+            "BitFit adds biases to nn.Linear layers, and the decoder Linears are quantized; use "
+            "lora: true (QLoRA), or drop weight_quantize_algo")
+    if args.do_train and not any(getattr(model_args, k) for k in PEFT_METHODS):
+        err("weight_quantize_algo", f"= {quant_args.weight_quantize_algo} freezes the quantized "
+            "Linear weights, so training needs a PEFT method on top: set lora: true (QLoRA), or "
+            "one of prefix_tuning / adapter / lowrank_adapter")

@@ -68,11 +68,18 @@ def hf_state_names(model):
 
 def load_weights(model, path, spec=None, reader=None, params=None):
     """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
-    {hf_name: parameter} map), checking every shape first against the checkpoint header."""
+    {hf_name: parameter} map), checking every shape first against the checkpoint header.
+
+    Quantized linears (quant.QuantizedLinear, put in by quant.quantize_model_lazily) receive
+    their tensor in HF layout [out, in] and quantize it at once, so at most one full-precision
+    matrix is resident at a time. The memory map of a file is dropped after each tensor: pages
+    read through a map count in the process RSS until it is unmapped."""
     spec = spec or model.spec
     reader = reader or hf.CheckpointReader(path)
     params = params if params is not None else dict(model.named_parameters())
-    missing = [n for n in params if n not in reader]
+    quantized = {m.weight_name: m for m in model.sublayers()
+                 if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+    missing = [n for n in list(params) + list(quantized) if n not in reader]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:3]}; is config.json from the same model?")
@@ -84,26 +91,48 @@ def load_weights(model, path, spec=None, reader=None, params=None):
         if shape != expect:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {expect} (paddle layout)")
+    for name, m in quantized.items():
+        if reader.shape(name) != [m.out_features, m.in_features]:
+            raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
+                             f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
     for name, p in params.items():
-        p.set_value(hf.read_slice(reader, spec, name).astype(np.float32))
+        p.set_value(hf.read_slice(reader, spec, name).astype(np.float32, copy=False))
+        _unmap(reader, name)
+    for name, m in quantized.items():
+        m.set_weight(reader.get(name))
+        _unmap(reader, name)
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
-    extra = [k for k in reader.keys() if k not in params and not k.endswith("inv_freq")]
+    extra = [k for k in reader.keys() if k not in params and k not in quantized
+             and not k.endswith("inv_freq")]
     if extra:
         logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
     return model
 
 
+def _unmap(reader, name):
+    files = getattr(reader, "files", None)
+    f = files.get(name) if isinstance(files, dict) else None
+    if f is not None and hasattr(f, "release"):
+        f.release()   # remapped on the next read; unmapping returns the read pages
+
+
 def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
-    """Load a HF-format checkpoint directory as a paddle model in eval mode."""
+    """Load a HF-format checkpoint directory as a paddle model in eval mode.
+
+    `quant` (a QuantArgument with weight_quantize_algo set, or a quant.QuantConfig) quantizes
+    the frozen Linear weights while they stream in: parameters are created under
+    paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never allocates its weight."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
     model = build_model(cfg)
     model.name_or_path = path
     if quant is not None:
-        from ..quant import quantize_model_lazily
+        from ..quant import format_report, quantize_model_lazily
 
-        quantize_model_lazily(model, quant)
+        quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
     load_weights(model, path, spec)
+    if getattr(model, "quant_config", None) is not None:
+        logger.info("%s", format_report(model))   # bytes held vs float32, whole model
     model.eval()
     return model
 
@@ -121,6 +150,10 @@ def save_pretrained(model, out_dir, tokenizer=None, state=None, max_shard_size="
     Files appear in out_dir only when complete; config.json is moved in last."""
     spec, cfg = model.spec, model.config
     dtype = dtype or declared_dtype(cfg)
+    if state is None and getattr(model, "quant_config", None) is not None:
+        raise ValueError("this model has a quantized backbone, which is not saved as a HF "
+                         "checkpoint: save the adapter, then merge it into the original "
+                         "full-precision weights with llm/merge_lora_params.py")
     if state is None:
         state = {n: p for n, p in model.named_parameters()}
 

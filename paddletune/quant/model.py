@@ -1,0 +1,108 @@
+"""Putting QuantizedLinear layers into a model, and counting what they hold.
+
+    quantize_model_lazily(model, quant_args)   # before load_weights: Linears become empty
+                                               # QuantizedLinears, filled tensor by tensor at load
+    quantize_model(model, quant_args)          # an in-memory model: quantize its current weights
+    report = quant_report(model)               # bytes held vs float32, per quantized part and whole
+
+Which Linears are kept in full precision: `quant_skip_modules` (regexes, full match over module
+names such as "model.layers.0.mlp.down_proj"); by default (None) the LM head, found as the Linear
+whose output width is the vocabulary size, whatever the model calls it. Embeddings are not Linear
+layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
+"""
+import logging
+import re
+
+import numpy as np
+import paddle.nn as nn
+
+from .weight_only import QuantConfig, QuantizedLinear
+
+logger = logging.getLogger("paddletune")
+
+
+def quant_config(quant_args):
+    """QuantConfig from a QuantArgument (or None when weight_quantize_algo is unset)."""
+    if quant_args is None or isinstance(quant_args, QuantConfig):
+        return quant_args
+    algo = getattr(quant_args, "weight_quantize_algo", None)
+    if not algo:
+        return None
+    return QuantConfig(algo, quant_args.weight_blocksize, bool(quant_args.weight_double_quant),
+                       quant_args.weight_double_quant_block_size)
+
+
+def _skip_fn(model, quant_args):
+    patterns = getattr(quant_args, "quant_skip_modules", None)
+    if patterns is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        return lambda name, layer: vocab is not None and layer.weight.shape[1] == vocab
+    try:
+        regs = [re.compile(p) for p in patterns]
+    except re.error as e:
+        raise ValueError(f"quant_skip_modules: bad regex ({e}); give full-match regexes over "
+                         "module names, e.g. \".*lm_head\"") from None
+    return lambda name, layer: any(r.fullmatch(name) for r in regs)
+
+
+def _replace(model, quant_args, from_weights):
+    cfg = quant_config(quant_args)
+    if cfg is None:
+        return []
+    skip = _skip_fn(model, quant_args)
+    targets = [(n, m) for n, m in model.named_sublayers()
+               if type(m) is nn.Linear and not skip(n, m)]
+    if not targets:
+        raise ValueError(f"weight_quantize_algo={cfg.algo}: no Linear layer left to quantize "
+                         f"(quant_skip_modules={getattr(quant_args, 'quant_skip_modules', None)})")
+    parents = dict(model.named_sublayers(include_self=True))
+    for name, lin in targets:
+        parent_name, _, child = name.rpartition(".")
+        in_f, out_f = lin.weight.shape
+        q = QuantizedLinear(in_f, out_f, cfg, bias=lin.bias, weight_name=name + ".weight")
+        if from_weights:
+            q.set_weight(lin.weight.numpy().T)
+        parents[parent_name]._sub_layers[child] = q
+    model.quant_config = cfg
+    return [n for n, _ in targets]
+
+
+def quantize_model_lazily(model, quant_args):
+    """Swap every Linear (except skipped ones) for an empty QuantizedLinear, without touching
+    its weight: under paddle.LazyGuard (models.build_model) that weight was never allocated.
+    models.load_weights then streams each checkpoint tensor into QuantizedLinear.set_weight.
+    Returns the replaced module names."""
+    return _replace(model, quant_args, from_weights=False)
+
+
+def quantize_model(model, quant_args):
+    """Quantize an in-memory model's Linear weights in place (same selection rules)."""
+    return _replace(model, quant_args, from_weights=True)
+
+
+def quantized_layers(model):
+    return [(n, m) for n, m in model.named_sublayers() if isinstance(m, QuantizedLinear)]
+
+
+def quant_report(model):
+    """Bytes: held by quantized linears (codes + scales) vs their float32 size, and the whole
+    model (parameters in their dtype + quantized weights) vs the whole model in float32."""
+    qs = quantized_layers(model)
+    q_held = sum(m.nbytes() for _, m in qs)
+    q_fp32 = sum(4 * m.in_features * m.out_features for _, m in qs)
+    p_held = sum(int(np.prod(p.shape)) * p.element_size() for p in model.parameters())
+    p_fp32 = sum(4 * int(np.prod(p.shape)) for p in model.parameters())
+    return {"quantized_layers": len(qs), "quantized_bytes": q_held, "quantized_fp32_bytes": q_fp32,
+            "quantized_ratio": q_held / max(q_fp32, 1), "model_bytes": p_held + q_held,
+            "model_fp32_bytes": p_fp32 + q_fp32,
+            "model_ratio": (p_held + q_held) / max(p_fp32 + q_fp32, 1)}
+
+
+def format_report(model):
+    r = quant_report(model)
+    cfg = getattr(model, "quant_config", None)
+    what = cfg.algo if cfg else "none"
+    return (f"quantized backbone ({what}): {r['quantized_layers']} linears hold "
+            f"{r['quantized_bytes'] / 2**20:.2f} MiB vs {r['quantized_fp32_bytes'] / 2**20:.2f} MiB "
+            f"float32 ({r['quantized_ratio']:.3f}x); whole model {r['model_bytes'] / 2**20:.2f} MiB vs "
+            f"{r['model_fp32_bytes'] / 2**20:.2f} MiB float32 ({r['model_ratio']:.3f}x)")
