@@ -132,3 +132,16 @@ def write_jsonl(path, rows):
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _reset_paddletune_logger():
+    """Scripts run in-process call runtime.setup_logging (own handler, no propagation); undo it so
+    later tests' caplog sees paddletune's records."""
+    import logging
+
+    yield
+    log = logging.getLogger("paddletune")
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.propagate = True

@@ -13,10 +13,7 @@ from conftest import ROOT
 
 FILES = os.path.join(ROOT, "tests", "data", "paddlenlp_argument_files")
 TINY = {"llama": "paddletune/tiny-llama", "chatglm2": "paddletune/tiny-chatglm2"}
-PENDING = {  # file -> the issue whose feature it needs
-    "llama/qlora_argument.json": "issue 7 (nf4 backbone)",
-    "llama/wint8_lora_argument.json": "issue 7 (weight_only_int8 backbone)",
-}
+PENDING = {}  # file -> the issue whose feature it needs (none pending)
 ALLOWED = {"model_name_or_path", "dataset_name_or_path", "output_dir", "max_steps", "src_length",
            "max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
            "gradient_accumulation_steps", "tensor_parallel_degree", "pipeline_parallel_degree",
