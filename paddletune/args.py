@@ -225,7 +225,9 @@ def _type_of(f):
 def _convert(key, value, f, source):
     """Coerce a JSON or CLI value to the field's type; errors name the key and source."""
     typ = _type_of(f)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and typ is not str):
+    nullable = str(f.type).startswith("typing.Optional")
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")
+                         and (typ is not str or nullable)):
         return None
     try:
         if typ is bool:

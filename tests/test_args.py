@@ -128,3 +128,9 @@ def test_help_lists_every_key(capsys):
 def test_paddlenlp_defaults():
     m, d, q, g, t = A.build(dict(BASE))
     assert (d.src_length, d.max_length, m.lora_rank, m.num_prefix_tokens, q.weight_blocksize) == (1024, 2048, 8, 128, 64)
+
+
+def test_nullable_keys_reset_from_the_command_line(tmp_path):
+    p = write(tmp_path, dict(BASE, weight_quantize_algo="nf4", lora=True))
+    m, d, q, g, t = parse_args([p, "--weight_quantize_algo", "none"])
+    assert q.weight_quantize_algo is None

@@ -343,4 +343,4 @@ SPEC = register(ModelSpec(
                   r".*\.dense_4h_to_h$"),
     tp_plan=dict(_TP_PLAN), prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"), tiny_config=_TINY,
-    default_chat_template="chatglm2"))
+    default_chat_template="chatglm2", lm_head="transformer.output_layer"))

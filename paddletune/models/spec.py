@@ -26,6 +26,8 @@ class ModelSpec:
     # Bottleneck-adapter placement (peft issue): regexes over module names of the layers whose
     # output gets an adapter: the attention output and the MLP output projections.
     adapter_targets: Tuple[str, ...] = ()
+    # Module name of the LM head (kept in full precision by quantization, "vocab"-wide output)
+    lm_head: str = "lm_head"
     tiny_config: Dict = field(default_factory=dict)   # small config.json used by tools and tests
     default_chat_template: Optional[str] = None        # built-in template name (data issue)
 

@@ -6,9 +6,8 @@
     report = quant_report(model)               # bytes held vs float32, per quantized part and whole
 
 Which Linears are kept in full precision: `quant_skip_modules` (regexes, full match over module
-names such as "model.layers.0.mlp.down_proj"); by default (None) the LM head, found as the Linear
-whose output width is the vocabulary size, whatever the model calls it. Embeddings are not Linear
-layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
+names such as "model.layers.0.mlp.down_proj"); by default (None) the LM head named by
+ModelSpec.lm_head. Embeddings are not Linear layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
 """
 import logging
 import re
@@ -35,8 +34,8 @@ def quant_config(quant_args):
 def _skip_fn(model, quant_args):
     patterns = getattr(quant_args, "quant_skip_modules", None)
     if patterns is None:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        return lambda name, layer: vocab is not None and layer.weight.shape[1] == vocab
+        head = model.spec.lm_head   # the LM head stays full precision (embeddings are not Linear)
+        return lambda name, layer: name == head
     try:
         regs = [re.compile(p) for p in patterns]
     except re.error as e:
