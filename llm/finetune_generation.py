@@ -16,7 +16,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import paddletune  # noqa: F401
 
-from paddletune import parallel, runtime
+from paddletune import parallel, peft, runtime
 from paddletune.args import ArgumentError, parse_args
 from paddletune.data import DataError, build_datasets
 from paddletune.models import load_config, load_model, resolve_model_path
@@ -38,6 +38,7 @@ def prepare(argv=None):
             args.resume_from_checkpoint = last
     if args.resume_from_checkpoint not in (None, "true") and not os.path.isdir(args.resume_from_checkpoint):
         raise ArgumentError(f"resume_from_checkpoint={args.resume_from_checkpoint!r} is not a directory")
+    peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
     if not args.do_train and not args.do_eval:
         raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
@@ -64,7 +65,10 @@ def main(argv=None):
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)
 
-    trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok)
+    setup = peft.apply(model, model_args, tokenizer=tok)   # wraps the frozen model; None = full FT
+    trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok,
+                      trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
+                      lr_scales=setup.lr_scales)
     if args.do_train:
         trainer.train()
     if args.do_eval and dev_ds is not None:

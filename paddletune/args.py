@@ -205,9 +205,6 @@ REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
 # key -> where it lands, for features not built yet: a non-default value is refused until then
 FEATURE_NOT_YET = {
-    "lora": "PEFT issue", "lora_path": "PEFT issue", "prefix_tuning": "PEFT issue",
-    "prefix_path": "PEFT issue", "adapter": "PEFT issue", "lowrank_adapter": "PEFT issue",
-    "bitfit": "PEFT issue", "rdrop": "PEFT issue", "neftune": "PEFT issue",
     "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
     "chat_template": "data issue", "eval_with_do_generation": "inference issue",
     "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
@@ -409,12 +406,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
         err("learning_rate", f"must be >= 0, got {args.learning_rate}")
     if not 0 <= args.warmup_ratio < 1:
         err("warmup_ratio", f"must be in [0, 1), got {args.warmup_ratio}")
-    if model_args.lora and model_args.prefix_tuning:
-        err("prefix_tuning", "cannot be combined with lora in one run: choose one PEFT method")
-    if model_args.lora and model_args.lora_rank <= 0:
-        err("lora_rank", f"must be positive, got {model_args.lora_rank}")
-    if model_args.prefix_tuning and model_args.num_prefix_tokens < 0:
-        err("num_prefix_tokens", f"must be >= 0, got {model_args.num_prefix_tokens}")
+    _check_peft(model_args, data_args, err)
     if args.load_best_model_at_end:
         if args.evaluation_strategy == "no" or not args.do_eval:
             err("load_best_model_at_end", "needs do_eval: true and an evaluation_strategy (steps or epoch)")
@@ -453,3 +445,38 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
     if data_args.intokens:
         data_args.zero_padding = True
+    if model_args.prefix_tuning and (data_args.zero_padding or data_args.greedy_zero_padding):
+        key = "zero_padding" if data_args.zero_padding else "greedy_zero_padding"
+        err(key, "cannot be used with prefix_tuning: the examples packed into one row would share "
+            "one prefix ambiguously (their positions no longer start right after it); set "
+            f"{key}: false")
+
+
+PEFT_METHODS = ("lora", "prefix_tuning", "adapter", "lowrank_adapter", "bitfit")
+
+
+def _check_peft(m, data_args, err):
+    """PEFT keys: a saved adapter path implies its method; one selection method per run."""
+    if m.lora_path:
+        m.lora = True
+    if m.prefix_path:
+        m.prefix_tuning = True
+    chosen = [k for k in PEFT_METHODS if getattr(m, k)]
+    if len(chosen) > 1:
+        err(chosen[1], f"cannot be combined with {chosen[0]} in one run: choose one PEFT method")
+    if m.lora and m.lora_rank <= 0:
+        err("lora_rank", f"must be positive, got {m.lora_rank}")
+    if m.lora and not 0 <= m.lora_dropout < 1:
+        err("lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    if m.lora and m.lora_plus_scale <= 0:
+        err("lora_plus_scale", f"must be positive, got {m.lora_plus_scale}")
+    if m.prefix_tuning and m.num_prefix_tokens <= 0:
+        err("num_prefix_tokens", f"must be positive with prefix_tuning, got {m.num_prefix_tokens}")
+    if (m.adapter or m.lowrank_adapter) and m.adapter_size <= 0:
+        err("adapter_size", f"must be positive, got {m.adapter_size}")
+    if m.lowrank_adapter and m.lowrank_adapter_rank <= 0:
+        err("lowrank_adapter_rank", f"must be positive, got {m.lowrank_adapter_rank}")
+    if m.neftune and m.neftune_noise_alpha < 0:
+        err("neftune_noise_alpha", f"must be >= 0, got {m.neftune_noise_alpha}")
+    if m.rdrop and m.rdrop_alpha < 0:
+        err("rdrop_alpha", f"must be >= 0, got {m.rdrop_alpha}")

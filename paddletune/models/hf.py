@@ -84,6 +84,11 @@ class SafetensorsFile:
         arr = np.array(view)  # copy out of the memory map
         return bf16_to_f32(arr) if code == "BF16" else arr
 
+    def release(self):
+        """Unmap the file: pages read so far stop counting toward this process's RSS (streaming
+        merges read every tensor once and would otherwise keep the whole file resident)."""
+        self._mm = None
+
 
 def write_safetensors(path, tensors, metadata=None, dtype=None):
     """Write {name: np.ndarray} as safetensors. `dtype` ('float32', 'bfloat16', 'float16') converts
@@ -112,6 +117,38 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
             else:
                 data = np.ascontiguousarray(arr, dtype=_NP[code])
             f.write(data.tobytes())
+
+
+def stream_safetensors(path, header, tensors, metadata=None):
+    """Write a safetensors file whose header is known up front, one tensor at a time.
+
+    header: {name: {"dtype": code, "shape": [...]}} in file order; tensors: iterable of
+    (name, np.ndarray) in the same order (floating arrays are converted to the header dtype).
+    Only one tensor is held at a time, so a merge of a large checkpoint stays near one tensor."""
+    full, off = {}, 0
+    for name, info in header.items():
+        nbytes = int(np.prod(info["shape"], dtype=np.int64)) * _SIZE[info["dtype"]]
+        full[name] = {"dtype": info["dtype"], "shape": list(info["shape"]),
+                      "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    full["__metadata__"] = dict(metadata or {"format": "pt"})
+    blob = json.dumps(full, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    order, i = list(header), -1
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for i, (name, arr) in enumerate(tensors):
+            if i >= len(order) or name != order[i]:
+                raise ValueError(f"{path}: tensor {name!r} arrived out of header order")
+            info = full[name]
+            if list(arr.shape) != info["shape"]:
+                raise ValueError(f"{path}: {name} has shape {list(arr.shape)}, header says {info['shape']}")
+            code = info["dtype"]
+            data = f32_to_bf16(arr) if code == "BF16" else np.ascontiguousarray(arr, dtype=_NP[code])
+            f.write(data.tobytes())
+        if i + 1 != len(order):
+            raise ValueError(f"{path}: {len(order) - i - 1} tensors of the header were not written")
 
 
 class CheckpointReader:
@@ -163,6 +200,10 @@ class CheckpointReader:
 
     def get(self, name, axis=None, start=None, stop=None):
         return self.files[name].get(name, axis, start, stop)
+
+    def release(self):
+        for st in set(self.files.values()):
+            st.release()
 
 
 def is_linear_weight(spec, name, ndim):
@@ -231,3 +272,51 @@ def write_weights(out_dir, hf_tensors, max_shard_size="5GB", dtype=None, prefix=
     with open(os.path.join(out_dir, f"{prefix}.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return files
+
+
+# ------------------------------------------------------------------ HF-PEFT adapters (peft issue)
+# HF-PEFT stores adapter tensors under "base_model.model." + the base model's module name, with
+# the adapter name ("default") removed: base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight.
+# Our module names equal HF's, so the only differences are that prefix and the Linear layout.
+PEFT_KEY_PREFIX = "base_model.model."
+
+
+def peft_state_to_hf(spec, state):
+    """{paddle name: array, paddle layout} -> {HF-PEFT key: array, torch layout}.
+    LoRA: lora_A.weight [in, r] -> [r, in]; lora_B.weight [r, out] -> [out, r]."""
+    return {PEFT_KEY_PREFIX + n: to_hf_layout(spec, n, np.asarray(a)) for n, a in state.items()}
+
+
+def peft_state_from_hf(spec, tensors, where="adapter"):
+    """Inverse of peft_state_to_hf; keys without the HF-PEFT prefix are refused."""
+    out = {}
+    for key, arr in tensors.items():
+        if not key.startswith(PEFT_KEY_PREFIX):
+            raise ValueError(f"{where}: tensor {key!r} is not an HF-PEFT adapter key "
+                             f"(expected names starting with {PEFT_KEY_PREFIX!r})")
+        name = key[len(PEFT_KEY_PREFIX):]
+        out[name] = to_paddle_layout(spec, name, arr)
+    return out
+
+
+def prefix_to_peft(keys, values):
+    """Learned prefixes -> HF-PEFT PREFIX_TUNING `prompt_embeddings`.
+
+    keys, values: [L, K, P, D] (layer, kv head, virtual token, head dim). HF-PEFT holds
+    [P, L*2*K*D] and views it as [P, L*2, K, D] with index 2l for layer l's keys and 2l+1 for its
+    values (peft_model.get_prompt), so element [p, ((2l+kv)*K + k)*D + d]."""
+    kv = np.stack([np.asarray(keys), np.asarray(values)], axis=1)   # [L, 2, K, P, D]
+    P = kv.shape[3]
+    return np.ascontiguousarray(kv.transpose(3, 0, 1, 2, 4).reshape(P, -1))
+
+
+def prefix_from_peft(prompt, num_layers, kv_heads, head_dim):
+    """Inverse of prefix_to_peft: [P, L*2*K*D] -> (keys, values), each [L, K, P, D]."""
+    prompt = np.asarray(prompt)
+    P = prompt.shape[0]
+    if prompt.ndim != 2 or prompt.shape[1] != num_layers * 2 * kv_heads * head_dim:
+        raise ValueError(f"prompt_embeddings has shape {list(prompt.shape)}; this model needs "
+                         f"[P, {num_layers * 2 * kv_heads * head_dim}] (layers {num_layers} x 2 x "
+                         f"kv heads {kv_heads} x head_dim {head_dim})")
+    kv = prompt.reshape(P, num_layers, 2, kv_heads, head_dim).transpose(1, 2, 3, 0, 4)
+    return np.ascontiguousarray(kv[:, 0]), np.ascontiguousarray(kv[:, 1])

@@ -179,6 +179,9 @@ class LlamaForCausalLM(nn.Layer):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
         self.recompute = False          # activation recomputation per decoder layer (training)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+        # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
+        # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
+        self.cache_hook = None
 
     def head(self, h):
         if self.config.tie_word_embeddings:
@@ -194,6 +197,8 @@ class LlamaForCausalLM(nn.Layer):
     def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, cache=None,
                 segment_ids=None, return_hidden=False):
         B, S = input_ids.shape
+        if cache is None and self.cache_hook is not None:
+            cache, attention_mask = self.cache_hook(attention_mask)
         past = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = (paddle.arange(past, past + S, dtype="int64").unsqueeze(0)
@@ -249,4 +254,5 @@ for _mt, _arch, _tiny_cfg, _tmpl in (
         model_type=_mt, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, architectures=(_arch,),
         not_linear=("model.embed_tokens.weight",),
         lora_targets=tuple(rf".*\.{n}$" for n in _LINEARS), tp_plan=dict(_TP_PLAN),
-        prefix_layout=_prefix_layout, tiny_config=_tiny_cfg, default_chat_template=_tmpl))
+        prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$", r".*\.down_proj$"),
+        tiny_config=_tiny_cfg, default_chat_template=_tmpl))

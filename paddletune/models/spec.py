@@ -23,6 +23,9 @@ class ModelSpec:
     tp_plan: Dict[str, str]
     # prefix_layout(config) -> (num_layers, num_kv_heads, head_dim): shape of learned K/V prefixes
     prefix_layout: Callable
+    # Bottleneck-adapter placement (peft issue): regexes over module names of the layers whose
+    # output gets an adapter: the attention output and the MLP output projections.
+    adapter_targets: Tuple[str, ...] = ()
     tiny_config: Dict = field(default_factory=dict)   # small config.json used by tools and tests
     default_chat_template: Optional[str] = None        # built-in template name (data issue)
 

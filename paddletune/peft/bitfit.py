@@ -1,0 +1,78 @@
+"""BitFit: train only the biases of the decoder's linear layers, everything else frozen.
+
+Targets are the decoder Linear layers (ModelSpec.lora_targets). A layer without a bias (Llama has
+none) gets a zero-initialised one, so the model's output is unchanged at the start:
+    y = x @ W + b      W [in, out] frozen, b [out] trained (new ones start at 0)
+Trainable count = sum of the targets' output sizes. Saved in the own format (peft/common.py);
+the config lists which biases were added, so loading re-creates them before setting values.
+"""
+import logging
+
+import paddle.nn as nn
+
+from .common import (base_name_for_config, check_shapes, freeze, get_module, linear_dims,
+                     match_modules, read_own, save_own)
+
+logger = logging.getLogger("paddletune")
+PEFT_TYPE = "BITFIT"
+
+
+def add_bias(layer, name):
+    """Give `layer` a zero bias [out] if it has none; returns True when one was added."""
+    if getattr(layer, "bias", None) is not None:
+        return False
+    if not isinstance(layer, nn.Linear):
+        raise ValueError(f"BitFit cannot add a bias to {name} ({type(layer).__name__}); only paddle "
+                         "nn.Linear layers can take a new bias")
+    out = linear_dims(layer)[1]
+    layer.bias = layer.create_parameter([out], is_bias=True,
+                                        default_initializer=nn.initializer.Constant(0.0))
+    return True
+
+
+def _targets(model):
+    return match_modules(model, list(model.spec.lora_targets),
+                         f"ModelSpec({model.config.model_type}).lora_targets")
+
+
+def apply(model, model_args):
+    freeze(model)
+    names = _targets(model)
+    added = [n for n in names if add_bias(get_module(model, n), n)]
+    model._bitfit = {"target_modules": names, "added_bias": added}
+    trainable = {}
+    for n in names:
+        b = get_module(model, n).bias
+        b.stop_gradient = False
+        trainable[n + ".bias"] = b
+    logger.info("BitFit: biases of %d layers (%d added as zeros)", len(names), len(added))
+    return trainable
+
+
+def bias_state(model):
+    return {n + ".bias": get_module(model, n).bias for n in model._bitfit["target_modules"]}
+
+
+def export_fn(model, model_args, tokenizer=None):
+    conf = dict(model._bitfit, base_model_name_or_path=base_name_for_config(
+        model_args.model_name_or_path))
+    return lambda out_dir: save_own(model, out_dir, PEFT_TYPE, conf, bias_state(model), tokenizer)
+
+
+def load(model, path, trainable=False):
+    conf, tensors = read_own(model, path, PEFT_TYPE)
+    layers = dict(model.named_sublayers())
+    for n in conf["target_modules"]:
+        if n not in layers or linear_dims(layers[n]) is None:
+            raise ValueError(f"{path}: bias for {n!r}, which this model has no Linear for")
+    expect = {n + ".bias": [linear_dims(layers[n])[1]] for n in conf["target_modules"]}
+    check_shapes(expect, tensors, path)
+    for n in conf["target_modules"]:
+        add_bias(layers[n], n)
+    model._bitfit = {"target_modules": list(conf["target_modules"]),
+                     "added_bias": list(conf.get("added_bias", []))}
+    for n, a in tensors.items():
+        b = layers[n[:-len(".bias")]].bias
+        b.set_value(a.astype("float32"))
+        b.stop_gradient = not trainable
+    return conf
