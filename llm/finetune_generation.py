@@ -19,7 +19,9 @@ except ImportError:  # running from a source checkout without `pip install -e .`
 from paddletune import parallel, peft, runtime
 from paddletune.args import ArgumentError, parse_args
 from paddletune.data import DataError, build_datasets
+from paddletune.data.packing import build_train_source
 from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.models.layers import set_flash_attention
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import latest_checkpoint
@@ -57,9 +59,14 @@ def main(argv=None):
     runtime.log_runtime()
     runtime.set_device()
     runtime.set_seed(args.seed)
-    if train_ds is not None:
+    if train_ds is not None and data_args.lazy:
+        logger.info("train: streamed from %s (%d bytes), file order", ", ".join(train_ds.files), train_ds.total)
+    elif train_ds is not None:
         logger.info("train: %d examples, %d tokens (%d target) from %s", len(train_ds),
                     train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
+    # zero padding / lazy data become the Trainer's train_source (None: padded in-memory batches)
+    train_source = build_train_source(data_args, args, tok, train_ds, topo) if train_ds is not None else None
+    set_flash_attention(model_args.use_flash_attention)   # packed rows: varlen flash on GPU
 
     model = load_model(model_path)
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
@@ -68,7 +75,7 @@ def main(argv=None):
     setup = peft.apply(model, model_args, tokenizer=tok)   # wraps the frozen model; None = full FT
     trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok,
                       trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
-                      lr_scales=setup.lr_scales)
+                      lr_scales=setup.lr_scales, train_source=train_source)
     if args.do_train:
         trainer.train()
     if args.do_eval and dev_ds is not None:

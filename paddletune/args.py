@@ -87,11 +87,11 @@ class DataArgument:
     src_length: int = F(1024, "max tokens of the source (prompt); cut from the left")
     max_length: int = F(2048, "max tokens of source + target; the target is cut from the right")
     zero_padding: bool = F(False, "pack examples into max_length rows (block-diagonal attention, no pads)")
-    greedy_zero_padding: bool = F(False, "greedy packing: each example goes to the open pack with most room")
+    greedy_zero_padding: bool = F(False, "greedy packing (implies zero_padding): each example goes to the open pack with most room, within buffers of 500")
     intokens: bool = F(False, "old name of zero_padding")
     pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
     pad_to_max_length: bool = F(False, "pad every batch to max_length")
-    lazy: bool = F(False, "stream JSON lines without loading the whole file (needs max_steps)")
+    lazy: bool = F(False, "stream the train JSON lines without loading them (file order, needs max_steps; dev data is loaded)")
     chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
     eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")
     save_generation_output: bool = F(False, "write generated_output.json during generation eval")
@@ -205,8 +205,7 @@ REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
 # key -> where it lands, for features not built yet: a non-default value is refused until then
 FEATURE_NOT_YET = {
-    "zero_padding": "data issue", "greedy_zero_padding": "data issue", "lazy": "data issue",
-    "chat_template": "data issue", "eval_with_do_generation": "inference issue",
+    "eval_with_do_generation": "inference issue",
     "save_generation_output": "inference issue", "weight_quantize_algo": "quantization issue",
 }
 # parallel degrees: values above 1 are refused until the parallel issues land
@@ -443,8 +442,12 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
             err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
                 "issue); remove it or set sharding_parallel_degree to 1")
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
-    if data_args.intokens:
+    if data_args.intokens or data_args.greedy_zero_padding:
         data_args.zero_padding = True
+    if data_args.lazy and args.do_train and args.max_steps <= 0:
+        err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
+    if data_args.zero_padding and data_args.eval_with_do_generation:
+        warn("zero_padding packs the training data only: generation eval uses unpacked dev data")
     if model_args.prefix_tuning and (data_args.zero_padding or data_args.greedy_zero_padding):
         key = "zero_padding" if data_args.zero_padding else "greedy_zero_padding"
         err(key, "cannot be used with prefix_tuning: the examples packed into one row would share "

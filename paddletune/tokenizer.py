@@ -88,6 +88,8 @@ class Tokenizer:
         self.add_bos_token = bool(self.config.get("add_bos_token", self.backend == "sentencepiece"))
         self.add_eos_token = bool(self.config.get("add_eos_token", False))
         self.chat_template = self._load_chat_template()
+        self._template = None       # compiled template (data/chat_template.py), built on first use
+        self._template_set = self._template_explicit = False
 
     # ------------------------------------------------------------------ files
     def _read_optional(self, name):
@@ -104,6 +106,43 @@ class Tokenizer:
                 t = f.read()
         return t
 
+    # ------------------------------------------------------------------ chat template
+    @property
+    def template(self):
+        """The compiled chat template in effect (None when there is none): one set with
+        set_chat_template, else the checkpoint's jinja template, else its PaddleNLP
+        chat_template.json."""
+        if not self._template_set:
+            from .data.chat_template import load_template
+
+            pd = os.path.join(self.path, "chat_template.json")
+            if self.chat_template is not None:
+                self._template = load_template(self.chat_template, f"{self.path} chat_template")
+            elif os.path.exists(pd):
+                self._template = load_template(pd)
+            self._template_set = True
+        return self._template
+
+    def set_chat_template(self, source):
+        """Use `source` (built-in name, .jinja / chat_template.json path, jinja text, or "none")."""
+        from .data.chat_template import load_template
+
+        self._template = load_template(source)
+        self._template_set = self._template_explicit = True
+        return self._template
+
+    init_chat_template = set_chat_template   # PaddleNLP's name
+
+    def apply_chat_template(self, conversation, add_generation_prompt=False, tokenize=True,
+                            chat_template=None, **kwargs):
+        """Render a conversation (messages [{role, content}], PaddleNLP [[user, bot], ...,
+        [query]], or a query string) with the chat template; token ids when tokenize=True
+        (encoded exactly as training data is: see data/chat_template.py), else the text."""
+        from .data.chat_template import apply_chat_template
+
+        return apply_chat_template(self, conversation, add_generation_prompt, tokenize,
+                                   chat_template, **kwargs)
+
     def save_pretrained(self, out_dir):
         """Copy the tokenizer files; record the pad token when it was filled in here."""
         os.makedirs(out_dir, exist_ok=True)
@@ -111,9 +150,22 @@ class Tokenizer:
             src = os.path.join(self.path, name)
             if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
                 shutil.copyfile(src, os.path.join(out_dir, name))
+        conf = dict(self.config)
         if self.pad_added:
-            conf = dict(self.config)
             conf["pad_token"] = self.pad_token
+        explicit = self._template_explicit and self._template is not None
+        if explicit:   # the template set for training travels with the model
+            for name in ("chat_template.jinja", "chat_template.json"):
+                if os.path.exists(os.path.join(out_dir, name)) and os.path.abspath(out_dir) != os.path.abspath(self.path):
+                    os.unlink(os.path.join(out_dir, name))
+            conf.pop("chat_template", None)
+            t = self._template
+            if hasattr(t, "spec"):    # PaddleNLP {system, conversation, query}
+                with open(os.path.join(out_dir, "chat_template.json"), "w", encoding="utf-8") as f:
+                    json.dump(t.spec, f, indent=2, ensure_ascii=False)
+            else:
+                conf["chat_template"] = t.source
+        if self.pad_added or explicit:
             with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
                 json.dump(conf, f, indent=2, ensure_ascii=False)
 

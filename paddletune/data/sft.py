@@ -1,5 +1,14 @@
 """SFT data: JSON-lines files of {"src", "tgt"} (strings, or lists of strings for several rounds)
--> tokenised examples {input_ids, labels} with labels -100 on everything but the targets.
+or {"messages": [{"role", "content"}, ...]} -> tokenised examples {input_ids, labels} with labels
+-100 on everything but the targets.
+
+With a chat template (the `chat_template` argument, else the checkpoint's), every row becomes a
+conversation (src/tgt rounds -> user/assistant messages) tokenised by data/chat_template.py, the
+same code Tokenizer.apply_chat_template uses at inference. Budget (`tokenize_conversation`):
+max_length covers the whole conversation; the system prompt is kept; the oldest rounds are
+dropped first; then the last round's user text is cut from the left so its prompt fits
+src_length; then the answer is cut from the right (losing its end-of-turn token).
+Without a template, src/tgt rows follow PaddleNLP's plain rules below; messages rows need one.
 
 Where the files are (dataset_name_or_path = DIR):
     DIR/train.json, DIR/dev.json          or   DIR/train/*.json, DIR/dev/*.json
@@ -20,6 +29,8 @@ import os
 import numpy as np
 
 from .builtin import BUILTIN_DATASETS
+from .chat_template import (ChatTemplateError, encode_segments, normalize_conversation,
+                            template_context, template_for)
 
 IGNORE = -100
 
@@ -59,6 +70,109 @@ def read_json_lines(path):
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
             yield lineno, row
+
+
+def messages_of(row, where, template):
+    """Conversation messages of a row ({"messages"} or src/tgt rounds), or None for plain src/tgt."""
+    if "messages" in row:
+        if template is None:
+            raise DataError(f"{where}: \"messages\" rows need a chat template; set chat_template to a "
+                            "built-in name (llama2, llama3, chatml, chatglm2, chatglm3, baichuan2), a jinja "
+                            "file or a PaddleNLP chat_template.json (the checkpoint has none)")
+        try:
+            msgs = normalize_conversation(row["messages"], where)
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from None
+        while msgs and msgs[-1]["role"] != "assistant":   # trailing turns carry no label
+            msgs.pop()
+        if not msgs:
+            raise DataError(f"{where}: the conversation has no assistant message to learn from")
+        return msgs
+    rounds = rounds_of(row, where)
+    if template is None:
+        return None
+    return [{"role": r, "content": t} for src, tgt in rounds for r, t in (("user", src), ("assistant", tgt))]
+
+
+def split_rounds(messages):
+    """(system messages, rounds): a round starts at each user message that follows an assistant."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rounds = []
+    for m in messages[len(system):]:
+        if not rounds or (m["role"] == "user" and rounds[-1][-1]["role"] == "assistant"):
+            rounds.append([])
+        rounds[-1].append(m)
+    return system, rounds
+
+
+def _round_lengths(segments, pieces, rounds):
+    """Tokens per round, attributing each prompt piece to the round of the assistant after it."""
+    owner, r, by_msg = [], len(rounds) - 1, {id(m): i for i, rd in enumerate(rounds) for m in rd}
+    for seg in reversed(segments):
+        if seg.is_assistant:
+            r = by_msg[id(seg.message)]
+        owner.append(r)
+    owner = owner[::-1]
+    lens = [0] * len(rounds)
+    extra = len(pieces) - len(segments)   # a leading BOS piece added by encode_segments
+    for i, (ids, _, _) in enumerate(pieces):
+        lens[owner[max(i - extra, 0)]] += len(ids)
+    return lens
+
+
+def _cut_user(tok, segments, pieces, user_text, src_length):
+    """Cut `user_text` inside the last prompt piece before the first answer from the left so
+    that all prompt pieces together fit src_length; the text around it (system, markers) stays."""
+    extra = len(pieces) - len(segments)
+    first = next(i for i, (_, _, a) in enumerate(pieces) if a)
+    k = first - 1
+    if k < extra:
+        return pieces
+    text, at = segments[k - extra].text, -1
+    for candidate in (user_text, user_text.strip()):   # templates may trim the content
+        if candidate and text.rfind(candidate) >= 0:
+            user_text, at = candidate, text.rfind(candidate)
+            break
+    if at < 0:   # the template rewrote the text: cut the prompt tokens from the left instead
+        others = sum(len(p[0]) for p in pieces[:extra])
+        flat, keep = [i for p in pieces[extra:first] for i in p[0]], max(src_length - others, 0)
+        ids = flat[len(flat) - keep:] if keep else []
+        return pieces[:extra] + [(ids, [IGNORE] * len(ids), False)] + pieces[first:]
+    enc = lambda t: tok.encode(t, add_special_tokens=False) if t else []  # noqa: E731
+    pre, content, post = enc(text[:at]), enc(user_text), enc(text[at + len(user_text):])
+    others = sum(len(p[0]) for i, p in enumerate(pieces[:first]) if i != k) + len(pre) + len(post)
+    keep = max(src_length - others, 0)
+    ids = pre + (content[len(content) - keep:] if keep else []) + post
+    return pieces[:k] + [(ids, [IGNORE] * len(ids), False)] + pieces[first:]
+
+
+def tokenize_conversation(tok, template, messages, src_length, max_length, autoregressive=False):
+    """(input_ids, labels) of a conversation under the budget rules of the module docstring."""
+    ctx = template_context(tok)
+    system, rounds = split_rounds(messages)
+    start = 0
+    while True:
+        msgs = system + [m for rd in rounds[start:] for m in rd]
+        segments = template.segments(msgs, False, **ctx)
+        pieces = encode_segments(tok, segments)
+        total = sum(len(p[0]) for p in pieces)
+        if total <= max_length or start == len(rounds) - 1:
+            break
+        lens, need, k = _round_lengths(segments, pieces, rounds[start:]), total - max_length, 0
+        while k < len(lens) - 1 and need > 0:   # skip straight to the first likely fit
+            need, k = need - lens[k], k + 1
+        start += max(k, 1)
+    if total > max_length:
+        users = [m["content"] for m in rounds[-1] if m["role"] == "user"]
+        prompt_len = sum(len(p[0]) for p in pieces[:next(i for i, p in enumerate(pieces) if p[2])])
+        if prompt_len > src_length:
+            pieces = _cut_user(tok, segments, pieces, users[-1] if users else "", src_length)
+    input_ids, labels = [], []
+    for ids, labs, _ in pieces:
+        room = max_length - len(input_ids)
+        input_ids += ids[:room]
+        labels += labs[:room]
+    return input_ids, (list(input_ids) if autoregressive else labels)
 
 
 def rounds_of(row, where):
@@ -126,22 +240,47 @@ class SFTDataset:
         return sum(int((e["labels"] != IGNORE).sum()) for e in self.examples)
 
 
-def load_split(root, split, tok, data_args, required=True):
+class ExampleBuilder:
+    """row (dict from one JSON line) -> {"input_ids", "labels"} int64 arrays; shared by the
+    in-memory and the lazy datasets so both tokenise identically."""
+
+    def __init__(self, tok, data_args):
+        self.tok, self.args = tok, data_args
+        try:
+            self.template = template_for(tok, data_args.chat_template)
+        except ChatTemplateError as e:
+            raise DataError(f"chat_template: {e}") from None
+
+    def __call__(self, row, where):
+        a = self.args
+        msgs = messages_of(row, where, self.template)
+        try:
+            if msgs is None:
+                ids, labels = tokenize_rounds(self.tok, rounds_of(row, where), a.src_length,
+                                              a.max_length, a.autoregressive)
+            else:
+                ids, labels = tokenize_conversation(self.tok, self.template, msgs, a.src_length,
+                                                    a.max_length, a.autoregressive)
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
+        if not any(l != IGNORE for l in labels[1:]):
+            raise DataError(f"{where}: no target token fits in max_length={a.max_length}")
+        return {"input_ids": np.asarray(ids, np.int64), "labels": np.asarray(labels, np.int64)}
+
+
+def load_split(root, split, tok, data_args, required=True, builder=None):
     files = split_files(root, split)
     if not files:
         if required:
             raise DataError(f"no {split} data in {root}: expected {split}.json or {split}/*.json")
         return None
+    builder = builder or ExampleBuilder(tok, data_args)
     examples = []
     for path in files:
         for lineno, row in read_json_lines(path):
-            where = f"{path}:{lineno}"
-            ids, labels = tokenize_rounds(tok, rounds_of(row, where), data_args.src_length,
-                                          data_args.max_length, data_args.autoregressive)
-            if not any(l != IGNORE for l in labels[1:]):
-                raise DataError(f"{where}: no target token fits in max_length={data_args.max_length}")
-            examples.append({"input_ids": np.asarray(ids, np.int64),
-                             "labels": np.asarray(labels, np.int64), "id": len(examples)})
+            ex = builder(row, f"{path}:{lineno}")
+            ex["id"] = len(examples)
+            examples.append(ex)
     if not examples:
         raise DataError(f"{split} data in {root} is empty ({', '.join(files)})")
     return SFTDataset(examples, files)
@@ -150,6 +289,20 @@ def load_split(root, split, tok, data_args, required=True):
 def build_datasets(data_args, tok, do_train=True, do_eval=False):
     """(train_dataset or None, dev_dataset or None), checked before any training starts."""
     root = resolve_dataset_path(data_args.dataset_name_or_path)
-    train = load_split(root, "train", tok, data_args) if do_train else None
-    dev = load_split(root, "dev", tok, data_args, required=do_eval) if do_eval else None
+    if data_args.chat_template is not None:   # also used by inference and saved with the model
+        try:
+            tok.set_chat_template(data_args.chat_template)
+        except ChatTemplateError as e:
+            raise DataError(f"chat_template: {e}") from None
+    builder = ExampleBuilder(tok, data_args)
+    if do_train and data_args.lazy:   # streamed: files checked (head lines), not loaded
+        from .lazy import LazyDataset
+
+        files = split_files(root, "train")
+        if not files:
+            raise DataError(f"no train data in {root}: expected train.json or train/*.json")
+        train = LazyDataset(files, builder)
+    else:
+        train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
+    dev = load_split(root, "dev", tok, data_args, required=do_eval, builder=builder) if do_eval else None
     return train, dev

@@ -284,9 +284,14 @@ class Trainer:
     def save_checkpoint(self):
         step = self.state["global_step"]
         rngs = parallel.all_gather_json(ckpt.rng_state())
+        # streamed data (lazy) cannot be re-derived from the step: keep each rank's position
+        data = (parallel.all_gather_json(self.train_source.state_dict())
+                if hasattr(self.train_source, "state_dict") else None)
         if self.main:
             tensors, meta = self.optimizer.state_dict()
             state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size)
+            if data is not None:
+                state["data_state"] = data
             ckpt.clean_temp_dirs(self.args.output_dir)
             path = ckpt.save_checkpoint(self.checkpoint_path(step), ckpt.arrays(self.trainable), tensors, state)
             best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
@@ -305,6 +310,9 @@ class Trainer:
         self._load_trainable(model_state, path)
         self.optimizer.load_state_dict(optim, state.pop("optimizer"))
         rngs = state.pop("rng")
+        data = state.pop("data_state", None)
+        if data is not None and hasattr(self._source(), "load_state_dict"):
+            self._source().load_state_dict(data[min(self.topo.rank, len(data) - 1)])
         if state.pop("world_size", 1) == self.topo.world_size:
             ckpt.set_rng_state(rngs[self.topo.rank])
         else:

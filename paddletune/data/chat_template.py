@@ -1,0 +1,399 @@
+"""Chat templates: one renderer for training data and for inference prompts.
+
+A template turns a conversation (list of {"role": system|user|assistant, "content": str}) into
+text. Two kinds:
+- `JinjaTemplate`: Hugging Face semantics (the checkpoint's `chat_template`, a .jinja file, or a
+  built-in). Rendered with `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
+  `unk_token`, `pad_token`, `raise_exception`, `strftime_now`, `tojson`; trim_blocks and
+  lstrip_blocks on, in a sandbox, so the text equals transformers' apply_chat_template.
+- `RoundTemplate`: PaddleNLP's chat_template.json {"system", "conversation": [user, bot],
+  "query"} with variables {{system}}, {{user}}, {{bot}}, {{query}} and {{index}} (0-based round);
+  each piece is rendered on its own, keeping a trailing newline.
+
+Segments (how loss masks are found without guessing): a conversation is cut into alternating
+prompt and assistant pieces. For Jinja templates the cuts come from rendering growing prefixes,
+    P_a = render(messages[:a], add_generation_prompt=True)   # what inference feeds the model
+    Q_a = render(messages[:a+1])                              # ... after assistant message a
+so the assistant piece is Q_a minus P_a: exactly the text a model must generate after the
+prompt that inference builds. Each cut must be a prefix of the next ("prefix-stable"); a
+template that rewrites earlier turns is refused with the turn number.
+
+Tokens (`encode_segments`): every piece is encoded on its own (add_special_tokens=False) and
+the ids concatenated, for training *and* for `Tokenizer.apply_chat_template(tokenize=True)`, so
+a prompt at inference has exactly the ids it had in training. Labels cover each assistant piece
+up to and including its end-of-turn token: the first special token after the message content
+(<|im_end|>, <|eot_id|>, </s>, ...); text after it (a newline) is not labelled. A template that
+emits no special token after the content (chatglm2, chatglm3) gets the tokenizer's EOS inserted
+there, labelled, in training and inference alike. The tokenizer's own leading specials
+(BOS, or [gMASK]sop for ChatGLM) are put in front when the rendered text does not start with them.
+
+Worked example (chatml, one turn): segments
+    ["<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n", "yo<|im_end|>\\n"]
+labels: -100 on the first piece, ids of "yo<|im_end|>" on the second, -100 on the final "\\n".
+"""
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+
+IGNORE = -100
+ROLES = ("system", "user", "assistant", "tool")
+
+
+_WARNED = set()
+
+
+def _warn_once(msg):
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger("paddletune").warning(msg)
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be loaded or used; names the source and the fix."""
+
+
+# ----------------------------------------------------------------------------- built-in templates
+# Written for this project; each reproduces the model family's published prompt format.
+_LLAMA2 = (
+    "{% if messages and messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('llama2 template: roles must alternate user/assistant after an optional system') }}"
+    "{% endif %}"
+    "{% if m['role'] == 'user' %}{{ bos_token }}[INST] "
+    "{% if loop.first and sys %}<<SYS>>\n{{ sys }}\n<</SYS>>\n\n{% endif %}"
+    "{{ m['content'] | trim }} [/INST]"
+    "{% else %} {{ m['content'] | trim }} {{ eos_token }}{% endif %}"
+    "{% endfor %}")
+_LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatGLM2: "[Round 1]\n\n问：Q\n\n答：A\n\n[Round 2]\n\n问：...". The separator is written before
+# the next round so the answer ends at its content (EOS is then the end-of-turn token). Newlines
+# right after a {% tag %} are eaten by trim_blocks, hence the '\n\n' string expression.
+_CHATGLM2 = (
+    "{% set ns = namespace(i=0, text=false) %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}{% set ns.text = true %}"
+    "{% elif m['role'] == 'user' %}{% set ns.i = ns.i + 1 %}{% if ns.text %}{{ '\\n\\n' }}{% endif %}"
+    "[Round {{ ns.i }}]\n\n问：{{ m['content'] }}\n\n答：{% set ns.text = true %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+_CHATGLM3 = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n {{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_BAICHUAN2 = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<reserved_106>{{ m['content'] }}"
+    "{% else %}<reserved_107>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<reserved_107>{% endif %}")
+BUILTIN_TEMPLATES = {"llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
+                     "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3, "baichuan2": _BAICHUAN2}
+
+
+# ----------------------------------------------------------------------------- jinja environment
+def _raise(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@lru_cache(maxsize=None)
+def _environment(hf_semantics=True):
+    """Sandboxed jinja environment; with hf_semantics, the settings transformers uses."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %} (HF assistant-mask marker): renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    if not hf_semantics:  # chat_template.json pieces: a trailing "\n" in a piece is meant literally
+        return ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _compile(source, where, hf_semantics=True):
+    import jinja2
+
+    try:
+        return _environment(hf_semantics).from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{where}: chat template is not valid jinja (line {e.lineno}: {e.message})") from None
+
+
+@dataclass
+class Segment:
+    """A piece of rendered text; `message` is the assistant message it holds (None for prompt)."""
+    text: str
+    message: dict = None
+
+    @property
+    def is_assistant(self):
+        return self.message is not None
+
+
+class JinjaTemplate:
+    def __init__(self, source, where="chat_template"):
+        self.source, self.where = source, where
+        self.compiled = _compile(source, where)
+
+    def render(self, messages, add_generation_prompt=False, **context):
+        import jinja2
+
+        try:
+            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{self.where}: rendering failed: {e}") from None
+
+    def segments(self, messages, add_generation_prompt=False, **context):
+        """Prompt/assistant pieces whose concatenation is render(messages, add_generation_prompt)."""
+        cuts = []   # (text, assistant message ending here or None, number of messages rendered)
+        for a, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            after_assistant = a > 0 and messages[a - 1]["role"] == "assistant"
+            prompt = self.render(messages[:a], not after_assistant, **context)
+            full = self.render(messages[:a + 1], False, **context)
+            if not full.startswith(prompt):
+                # the generation prompt differs from how assistant turns start: cut before it,
+                # so the assistant header is learned as part of the answer
+                _warn_once(f"{self.where}: the generation prompt does not start the rendered assistant "
+                           "turn; the assistant header is trained as part of each answer")
+                prompt = self.render(messages[:a], False, **context)
+            cuts.append((prompt, None, a))
+            cuts.append((full, m, a + 1))
+        cuts.append((self.render(messages, add_generation_prompt, **context), None, len(messages)))
+        out, done = [], ""
+        for text, msg, n in cuts:
+            if not text.startswith(done):
+                raise ChatTemplateError(
+                    f"{self.where}: the template is not prefix-stable at message {n}: rendering a longer "
+                    "conversation changes the text of earlier turns, so training pieces and inference "
+                    "prompts would differ. Use a template that renders earlier turns the same whatever "
+                    "follows (e.g. a built-in: " + ", ".join(BUILTIN_TEMPLATES) + ")")
+            if len(text) > len(done) or msg is not None:
+                out.append(Segment(text[len(done):], msg))
+            done = text
+        return out
+
+
+class RoundTemplate:
+    """PaddleNLP chat_template.json: system + rounds of conversation[0](user) conversation[1](bot),
+    the last unanswered user rendered with `query` when a generation prompt is asked for."""
+
+    def __init__(self, spec, where="chat_template.json"):
+        conv = spec.get("conversation")
+        if not (isinstance(conv, list) and len(conv) == 2 and all(isinstance(c, str) for c in conv)):
+            raise ChatTemplateError(f"{where}: 'conversation' must be a list of two strings "
+                                    "[user template with {{user}}, bot template with {{bot}}]")
+        self.where, self.spec = where, dict(spec)
+        comp = lambda s: _compile(s, where, hf_semantics=False) if s is not None else None  # noqa: E731
+        # without "query", the last round's user text is rendered with the conversation template
+        self.system, self.query = comp(spec.get("system")), comp(spec.get("query", conv[0]))
+        self.user, self.bot = comp(conv[0]), comp(conv[1])
+        self.system_uses_var = spec.get("system") is not None and "system" in _variables(spec["system"])
+
+    def render(self, messages, add_generation_prompt=False, **context):
+        return "".join(s.text for s in self.segments(messages, add_generation_prompt, **context))
+
+    def segments(self, messages, add_generation_prompt=False, **context):
+        sys = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        rest = messages[1:] if sys is not None else messages
+        if sys is not None and not self.system_uses_var:
+            raise ChatTemplateError(f"{self.where}: the conversation has a system message but the "
+                                    "template's 'system' has no {{system}} placeholder to put it in")
+        for i, m in enumerate(rest):
+            if m["role"] != ("user" if i % 2 == 0 else "assistant"):
+                raise ChatTemplateError(f"{self.where}: PaddleNLP templates need user/assistant turns "
+                                        f"alternating after an optional system message; message "
+                                        f"{i + 1 + (sys is not None)} is {m['role']!r}")
+        head = self.system.render(system=sys or "", **context) if self.system is not None else ""
+        out, prompt = [], head
+        for i in range(0, len(rest), 2):
+            user, index = rest[i]["content"], i // 2
+            if i + 1 < len(rest):
+                out.append(Segment(prompt + self.user.render(user=user, index=index, **context)))
+                out.append(Segment(self.bot.render(bot=rest[i + 1]["content"], index=index, **context), rest[i + 1]))
+                prompt = ""
+            else:
+                fmt = self.query if add_generation_prompt else self.user
+                prompt += fmt.render(query=user, user=user, index=index, **context)
+        if prompt:
+            out.append(Segment(prompt))
+        return out
+
+
+def _variables(source):
+    from jinja2 import meta
+
+    return meta.find_undeclared_variables(_environment(False).parse(source))
+
+
+# ----------------------------------------------------------------------------- loading
+def load_template(source, where="chat_template"):
+    """JinjaTemplate / RoundTemplate from a built-in name, a file path (.json: PaddleNLP
+    {system, conversation, query} or {"chat_template": str}; anything else: jinja text), or
+    jinja text itself. None or "none" -> None (no template)."""
+    if source is None or (isinstance(source, str) and source.strip().lower() == "none"):
+        return None
+    if isinstance(source, dict):
+        return _from_json(source, where)
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"{where}: expected a name, a path or template text, got {type(source).__name__}")
+    if source in BUILTIN_TEMPLATES:
+        return JinjaTemplate(BUILTIN_TEMPLATES[source], f"built-in chat template {source!r}")
+    if os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+        if source.endswith(".json"):
+            try:
+                return _from_json(json.loads(text), source)
+            except json.JSONDecodeError as e:
+                raise ChatTemplateError(f"{source}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        return JinjaTemplate(text, source)
+    if "{{" in source or "{%" in source:
+        return JinjaTemplate(source, where)
+    raise ChatTemplateError(
+        f"{where}={source!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}), nor an "
+        f"existing file (working directory {os.getcwd()}), nor jinja text; use 'none' for no template")
+
+
+def _from_json(spec, where):
+    if isinstance(spec, dict) and isinstance(spec.get("chat_template"), str):
+        return JinjaTemplate(spec["chat_template"], where)
+    if isinstance(spec, dict) and "conversation" in spec:
+        return RoundTemplate(spec, where)
+    raise ChatTemplateError(f"{where}: expected PaddleNLP keys {{system, conversation, query}} or "
+                            f"{{\"chat_template\": \"<jinja>\"}}, got keys {sorted(spec) if isinstance(spec, dict) else spec!r}")
+
+
+def template_for(tok, source=None):
+    """The template in effect: `source` (the chat_template argument) when given, else the
+    checkpoint's (tokenizer_config.json / chat_template.jinja / PaddleNLP chat_template.json)."""
+    if source is not None:
+        return load_template(source)
+    return tok.template
+
+
+# ----------------------------------------------------------------------------- conversations
+def normalize_conversation(conversation, where="conversation"):
+    """A list of {"role", "content"} from messages, PaddleNLP pairs [[user, bot], ..., [query]]
+    or a single query string. Raises ChatTemplateError naming what is wrong."""
+    if isinstance(conversation, str):
+        return [{"role": "user", "content": conversation}]
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ChatTemplateError(f"{where}: expected a non-empty list of messages, got {conversation!r:.80}")
+    if all(isinstance(x, (list, tuple)) for x in conversation):
+        msgs = []
+        for pair in conversation:
+            for role, text in zip(("user", "assistant"), pair):
+                if text is not None:
+                    msgs.append({"role": role, "content": text})
+        conversation = msgs
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ChatTemplateError(f"{where}: message {i + 1} must be an object with \"role\" and "
+                                    f"\"content\", got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ChatTemplateError(f"{where}: message {i + 1} has role {m['role']!r}; use one of {list(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ChatTemplateError(f"{where}: message {i + 1} content must be a string, got "
+                                    f"{type(m['content']).__name__}")
+        out.append(dict(m))
+    first = next((m["role"] for m in out if m["role"] != "system"), None)
+    if first == "assistant":
+        raise ChatTemplateError(f"{where}: the first non-system message must be from the user")
+    return out
+
+
+def template_context(tok):
+    return {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
+            "unk_token": tok.unk_token or "", "pad_token": tok.pad_token or ""}
+
+
+def _special_pattern(tok):
+    """Regex matching the tokenizer's special-token strings (cached on the tokenizer)."""
+    cached = getattr(tok, "_chat_special_re", False)
+    if cached is not False:
+        return cached
+    names = {tok.id_to_token(i) for i in tok.special_ids} | {tok.eos_token}
+    names = sorted((n for n in names if n and n != tok.unk_token), key=len, reverse=True)
+    tok._chat_special_re = re.compile("|".join(map(re.escape, names))) if names else None
+    return tok._chat_special_re
+
+
+def _label_split(text, content, pattern):
+    """(labelled, tail, found): labelled = text up to and including the first special token
+    after the message content; found=False when there is none (then everything is labelled)."""
+    start = 0
+    for c in (content, content.strip()):
+        if c and text.find(c) >= 0:
+            start = text.find(c) + len(c)
+            break
+    m = pattern.search(text, start) if pattern is not None else None
+    if m is None:
+        return text, "", False
+    return text[:m.end()], text[m.end():], True
+
+
+def encode_segments(tok, segments):
+    """[(ids, labels, is_assistant)] per segment, following the module docstring's rules."""
+    pattern, eos = _special_pattern(tok), tok.eos_token_id
+    out = []
+    for seg in segments:
+        if not seg.is_assistant:
+            ids = tok.encode(seg.text, add_special_tokens=False) if seg.text else []
+            out.append((ids, [IGNORE] * len(ids), False))
+            continue
+        labelled, tail, found = _label_split(seg.text, seg.message["content"], pattern)
+        ids = tok.encode(labelled, add_special_tokens=False) if labelled else []
+        if not found and eos is not None:
+            ids = ids + [eos]
+        tail_ids = tok.encode(tail, add_special_tokens=False) if tail else []
+        out.append((ids + tail_ids, ids + [IGNORE] * len(tail_ids), True))
+    prefix = tok.special_tokens_around()[0]
+    first = next((ids for ids, _, _ in out if ids), [])
+    if prefix and first[:len(prefix)] != prefix:
+        out.insert(0, (list(prefix), [IGNORE] * len(prefix), False))
+    return out
+
+
+def apply_chat_template(tok, conversation, add_generation_prompt=False, tokenize=True,
+                        chat_template=None, **context):
+    """Text (tokenize=False) or token ids of a conversation, as training renders it."""
+    template = template_for(tok, chat_template)
+    if template is None:
+        raise ChatTemplateError(
+            f"{tok.path}: this tokenizer has no chat template; pass chat_template= a built-in name "
+            f"({', '.join(BUILTIN_TEMPLATES)}), a jinja file or a PaddleNLP chat_template.json")
+    messages = normalize_conversation(conversation)
+    ctx = dict(template_context(tok), **context)
+    if not tokenize:
+        return template.render(messages, add_generation_prompt, **ctx)
+    pieces = encode_segments(tok, template.segments(messages, add_generation_prompt, **ctx))
+    return [i for ids, _, _ in pieces for i in ids]

@@ -1,0 +1,177 @@
+"""Lazy datasets (`lazy: true`): stream the train JSON-lines files, never loading them whole.
+
+The train files are read as one byte stream (their concatenation, in sorted order). Data-parallel
+rank r of W owns the lines that *start* in bytes [r*T/W, (r+1)*T/W) of the T-byte stream, so the
+ranks' shares are disjoint and cover every line, and each rank reads only its own bytes.
+Each rank walks its share in file order (no shuffling), again and again: the number of steps
+per epoch is unknown, so training needs max_steps.
+
+Lines are read in chunks of CHUNK examples; a chunk becomes rows (one example per row, or packs
+of examples with zero padding, packed exactly as packing.py does), and each optimizer step takes
+micro_batch x accumulation rows. The position after a step is
+    {"pass": p, "offset": byte offset of the chunk's first line, "skip": rows of it already used}
+which the Trainer saves in every checkpoint (one per rank) and hands back on resume, so training
+continues at the next unseen row after one seek, however far into the file.
+Memory: one chunk of tokenised examples, whatever the file size.
+"""
+import logging
+import os
+
+import numpy as np
+
+from .collate import pad_batch
+from .packing import GREEDY_BUFFER, collate_packed, pack
+from .sft import DataError, read_json_lines
+
+CHUNK = GREEDY_BUFFER
+logger = logging.getLogger("paddletune")
+
+
+class LazyDataset:
+    """Train files + the example builder; rows are tokenised when read. No __len__."""
+
+    def __init__(self, files, builder, check_lines=8):
+        self.files = list(files)
+        self.sizes = [os.path.getsize(f) for f in self.files]
+        self.builder = builder
+        self.total = sum(self.sizes)
+        if self.total == 0:
+            raise DataError(f"train data is empty ({', '.join(self.files)})")
+        for path in self.files:   # fail early on a malformed head, before any work
+            for n, (lineno, row) in enumerate(read_json_lines(path)):
+                builder(row, f"{path}:{lineno}")
+                if n + 1 >= check_lines:
+                    break
+
+    def share(self, rank, world):
+        """Byte range [lo, hi) of the stream whose lines belong to `rank`."""
+        return self.total * rank // world, self.total * (rank + 1) // world
+
+    def read(self, start, end, limit):
+        """Up to `limit` examples whose lines start in [start, end), beginning at the first line
+        starting at or after `start`. Returns (examples, offset after the last line read);
+        each example's "id" is the global byte offset of its line."""
+        out, base, at = [], 0, start
+        for path, size in zip(self.files, self.sizes):
+            if at >= base + size or len(out) >= limit:
+                base += size
+                continue
+            with open(path, "rb") as f:
+                local = max(at - base, 0)
+                if local > 0:          # align to the next line start
+                    f.seek(local - 1)
+                    if f.read(1) != b"\n":
+                        f.readline()
+                pos = f.tell()
+                while len(out) < limit and base + pos < end:
+                    line = f.readline()
+                    if not line:
+                        break
+                    if line.strip():
+                        out.append(self._example(line, path, base + pos))
+                    pos += len(line)
+                at = base + pos
+            base += size
+            if at >= end:
+                break
+        return out, max(at, start)
+
+    def _example(self, line, path, offset):
+        import json
+
+        where = f"{path} (line at byte {offset})"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        ex = self.builder(row, where)
+        ex["id"] = offset
+        return ex
+
+
+class LazySource:
+    """Trainer `train_source` over a LazyDataset: steps_per_epoch None, iterate never ends,
+    state_dict()/load_state_dict() give the exact resume position (see module docstring)."""
+    steps_per_epoch = None
+
+    def __init__(self, dataset, micro_batch, accumulation, dp_world=1, dp_rank=0, pad_id=0,
+                 zero_padding=False, greedy=False, capacity=None, pad_to_multiple_of=None,
+                 pad_to_max_length=False):
+        self.ds, self.micro, self.accum = dataset, micro_batch, accumulation
+        self.lo, self.hi = dataset.share(dp_rank, dp_world)
+        self.world, self.rank = dp_world, dp_rank
+        self.pad_id, self.zero_padding, self.greedy, self.capacity = pad_id, zero_padding, greedy, capacity
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.length = capacity if pad_to_max_length else None
+        self._state = {"pass": 0, "offset": self.lo, "skip": 0}
+        self._loaded = False
+        self.stats = {"real_tokens": 0, "row_slots": 0}
+
+    def state_dict(self):
+        return dict(self._state, world=self.world, rank=self.rank)
+
+    def load_state_dict(self, state):
+        if state.get("world", self.world) != self.world:
+            logger.warning("lazy data: checkpoint was written with %s ranks, now %d: restarting the "
+                           "data stream", state.get("world"), self.world)
+            return
+        self._state = {"pass": int(state["pass"]), "offset": int(state["offset"]), "skip": int(state["skip"])}
+        self._loaded = True
+
+    def _rows(self, state):
+        """Yield (row examples, position after this row) forever from `state`."""
+        p, off, skip = state["pass"], state["offset"], state["skip"]
+        while True:
+            examples, nxt = self.ds.read(off, self.hi, CHUNK)
+            if not examples:
+                if off == self.lo:
+                    raise DataError(f"data-parallel rank {self.rank} of {self.world} has no lines in its "
+                                    f"share of the train data ({self.ds.total} bytes); use fewer ranks")
+                p, off, skip = p + 1, self.lo, 0
+                continue
+            lengths = [len(e["input_ids"]) for e in examples]
+            rows = pack(lengths, self.capacity, self.greedy) if self.zero_padding else [[i] for i in range(len(examples))]
+            for j in range(skip, len(rows)):
+                after = {"pass": p, "offset": off, "skip": j + 1} if j + 1 < len(rows) else \
+                    {"pass": p, "offset": nxt, "skip": 0}
+                yield [examples[i] for i in rows[j]], after
+            off, skip = nxt, 0
+
+    def collate(self, rows):
+        if self.zero_padding:
+            batch = collate_packed(rows, self.pad_id, self.pad_to_multiple_of, self.length)
+        else:
+            batch = pad_batch([r[0] for r in rows], self.pad_id, self.pad_to_multiple_of, self.length)
+        self.stats["real_tokens"] += int(batch["attention_mask"].sum())
+        self.stats["row_slots"] += int(batch["attention_mask"].size)
+        return batch
+
+    def iterate(self, epoch, start_step=0):
+        """(step, [micro-batch dicts]) from start_step on, forever. Without a loaded position,
+        start_step > 0 replays (reads and discards) the rows of the earlier steps."""
+        rows = self._rows(self._state)
+        per_step = self.micro * self.accum
+        if start_step and not self._loaded:
+            logger.warning("lazy data: no saved stream position; re-reading %d steps to resume", start_step)
+            for _ in range(start_step * per_step):
+                next(rows)
+        step = start_step
+        while True:
+            taken = [next(rows) for _ in range(per_step)]
+            self._state = taken[-1][1]
+            micro = [self.collate([r for r, _ in taken[i:i + self.micro]]) for i in range(0, per_step, self.micro)]
+            if self.zero_padding and self.rank == 0 and (step - start_step) % 1000 == 0:
+                logger.info("lazy zero padding: efficiency so far %.1f%% (real tokens / computed positions)",
+                            100 * self.efficiency())
+            yield step, micro
+            step += 1
+
+    def efficiency(self):
+        return self.stats["real_tokens"] / max(self.stats["row_slots"], 1)
+
+
+def example_ids(batch):
+    """Example ids (byte offsets) in a micro-batch, either layout."""
+    return np.asarray(batch["example_ids"]).reshape(-1).tolist()
