@@ -59,6 +59,19 @@ def counts(batch):
     return real, int((batch["labels"][:, 1:] != -100).sum())
 
 
+def seq_lens(batch):
+    """Real tokens of every sequence in the batch: one per row, or one per packed example
+    (runs of equal segment_ids among real tokens)."""
+    mask = batch["attention_mask"] if "attention_mask" in batch else np.ones_like(batch["input_ids"])
+    if "segment_ids" not in batch:
+        return [int(n) for n in mask.sum(1)]
+    out = []
+    for seg, m in zip(batch["segment_ids"], mask):
+        _, n = np.unique(seg[m.astype(bool)], return_counts=True)
+        out += [int(x) for x in n]
+    return out
+
+
 def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -69,7 +82,7 @@ def time_steps(step_fn, batches, spec, prepared=None):
     `prepared[i]` (e.g. torch tensors made beforehand) is passed instead of the numpy batches[i],
     which are still what the tokens are counted from."""
     total = spec["warmup"] + spec["steps"]
-    losses, times, real, target = [], [], 0, 0
+    losses, times, real, target, timed = [], [], 0, 0, []
     for i in range(total):
         b = batches[i % len(batches)]
         arg = b if prepared is None else prepared[i % len(batches)]
@@ -80,11 +93,12 @@ def time_steps(step_fn, batches, spec, prepared=None):
             times.append(dt)
             r, t = counts(b)
             real, target = real + r, target + t
+            timed.append({"seq_lens": seq_lens(b), "targets": t})
     elapsed = sum(times)
     return {"status": "ok", "steps": spec["steps"], "warmup": spec["warmup"],
             "tokens_per_sec": real / elapsed, "target_tokens_per_sec": target / elapsed,
             "step_s": elapsed / len(times), "step_times": times, "losses": losses,
-            "loss_first": losses[0], "loss_last": losses[-1], "peak_rss_mb": rss_mb()}
+            "loss_first": losses[0], "loss_last": losses[-1], "peak_rss_mb": rss_mb(), "timed_batches": timed}
 
 
 def thread_env():

@@ -74,12 +74,23 @@ def write_checkpoint(path, cfg, seed=0):
     return path
 
 
+def token_sampler(vocab, rng):
+    """Tokens with Zipf-like frequencies (p ~ 1/(rank+10)) over a fixed random permutation of
+    ids 3..vocab-1: text-like statistics whose unigram part a model learns within a few steps,
+    so "loss after N steps" moves and shows whether the peers train alike."""
+    ids = rng.permutation(np.arange(3, vocab))
+    p = 1.0 / (np.arange(len(ids)) + 10.0)
+    p /= p.sum()
+    return lambda size: rng.choice(ids, size=size, p=p).astype(np.int64)
+
+
 def uniform_batches(cfg, n, seed=0):
-    """n batches [batch, seq] of random tokens, every token labelled, no padding."""
+    """n batches [batch, seq] of text-like tokens, every token labelled, no padding."""
     rng = np.random.default_rng(seed)
+    draw = token_sampler(cfg["vocab_size"], rng)
     out = []
     for _ in range(n):
-        ids = rng.integers(3, cfg["vocab_size"], (cfg["batch"], cfg["seq"])).astype(np.int64)
+        ids = draw((cfg["batch"], cfg["seq"]))
         out.append({"input_ids": ids, "labels": ids.copy(), "attention_mask": np.ones_like(ids)})
     return out
 
@@ -89,13 +100,14 @@ def sft_examples(cfg, steps, seed=0):
     instruction data (~85% short, lognormal around seq/4; ~15% long, up to seq), the first
     30-70% of each example a prompt (label -100), the rest labelled."""
     rng = np.random.default_rng(seed)
+    draw = token_sampler(cfg["vocab_size"], rng)
     seq, out, total = cfg["seq"], [], 0
     while total < steps * cfg["batch"] * seq * 1.05 + seq or len(out) < steps * cfg["batch"]:
         if rng.random() < 0.85:
             n = int(np.clip(rng.lognormal(np.log(seq / 4), 0.6), 8, seq))
         else:
             n = int(rng.integers(seq // 4, seq + 1))
-        ids = rng.integers(3, cfg["vocab_size"], n).astype(np.int64)
+        ids = draw(n)
         labels = ids.copy()
         labels[:int(n * rng.uniform(0.3, 0.7))] = -100
         out.append({"input_ids": ids, "labels": labels})

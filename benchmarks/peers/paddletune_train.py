@@ -44,15 +44,13 @@ def packed_batches(spec):
     return [collate_packed(rows[i:i + spec["batch"]], pad_id=0) for i in range(0, len(rows), spec["batch"])]
 
 
-def main():
-    spec = common.read_spec()
-    import paddletune
+def build(spec):
+    """(trainer, batches) ready to step: the shared checkpoint loaded, LoRA applied if asked."""
     from paddletune import runtime
     from paddletune.args import TrainingArguments
     from paddletune.models import load_model
     from paddletune.trainer import Trainer
 
-    rss_import = common.rss_mb()
     runtime.set_seed(spec["seed"])
     model = load_model(spec["checkpoint"])
     trainable = apply_lora(model, spec) if spec["method"] == "lora" else None
@@ -62,15 +60,24 @@ def main():
                              per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
                              learning_rate=spec["lr"], max_grad_norm=spec["max_grad_norm"], weight_decay=0.0,
                              disable_tqdm=True, save_strategy="no")
-    trainer = Trainer(model, args, train_dataset=[], export_fn=lambda d: None, trainable=trainable)
+    return Trainer(model, args, train_dataset=[], export_fn=lambda d: None, trainable=trainable), batches
+
+
+def main():
+    spec = common.read_spec()
+    import paddletune  # before paddle: the runtime's thread settings
+    from paddletune import runtime
+
+    import paddle
+
+    rss_import = common.rss_mb()
+    trainer, batches = build(spec)
 
     def step(batch):
         loss, *_ = trainer.training_step([batch], spec["lr"])
         return float(loss)
 
     result = common.time_steps(step, batches, spec)
-    import paddle
-
     result.update(rss_after_import_mb=rss_import, trainable_params=common.count_params(trainer.trainable.values()),
                   versions={"paddletune": paddletune.__version__, "paddle": paddle.__version__},
                   threads=f"runtime: {', '.join(f'{k}={v}' for k, v in runtime._CHOICES.items())}")
