@@ -87,9 +87,13 @@ def test_compare_peers_smoke(tmp_path):
             if res["status"] == "ok":
                 assert abs(res["loss_first"] - ref) < 1e-4 * abs(ref), (mode, peer, res["loss_first"], ref)
                 assert res["trainable_params"] == runs[f"{mode} / paddletune / padded"]["trainable_params"]
-    # zero padding really packs: one step's 2 rows hold more than 2 examples, and targets remain
-    zp = runs["lora-sft / paddletune / zero_padding"]
-    assert zp["timed_batches"][0]["targets"] > 0 and len(zp["timed_batches"][0]["seq_lens"]) > 2
+    # zero padding keeps every example its own segment, in order (the packer's rows, not one blob)
+    import harness
+
+    lens = [len(e["input_ids"]) for e in harness.sft_examples(harness.SMOKE, 1)]
+    step = runs["lora-sft / paddletune / zero_padding"]["timed_batches"][0]
+    assert len(step["seq_lens"]) >= harness.SMOKE["batch"] and step["seq_lens"] == lens[:len(step["seq_lens"])]
+    assert step["targets"] > 0
 
 
 def test_cpu_ceiling_smoke():
@@ -98,3 +102,9 @@ def test_cpu_ceiling_smoke():
     assert "Ceiling (best paddle rate)" in r.stdout and "numpy" in r.stdout
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| full |") or ln.startswith("| lora-sft |")]
     assert len(rows) == 2 and all("% |" in ln for ln in rows), r.stdout
+
+
+def test_profile_paddletune_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "peers", "profile_paddletune.py"), "--smoke", "--method", "lora"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| matmul (fwd + grad) |" in r.stdout and "| Forward |" in r.stdout, r.stdout
