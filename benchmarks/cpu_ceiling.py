@@ -2,10 +2,10 @@
 
     python benchmarks/cpu_ceiling.py [--steps 5] [--warmup 2] [--modes full,lora,lora-sft] [--smoke]
 
-1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy, each in its own process with the same
+1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy (torch beside them, as a reference), each in its own process with the same
    thread settings as the training runs, on a 1024^3 (2048^3) square and on the step's own
    shapes (tokens x hidden x intermediate, tokens x hidden x vocab). The ceiling is the best rate.
-2. The step: benchmarks/peers/paddletune_train.py on the DESIGN.md section 5 model (the run that
+2. The step: benchmarks/peers/paddletune_train.py (and, with --peers, the other peers' scripts) on the DESIGN.md section 5 model (the run that
    compare_peers.py times), and its achieved rate = needed FLOPs / step time.
 
 Needed FLOPs (`step_flops`) count matmuls only, and only those the step cannot avoid: per token
@@ -85,6 +85,11 @@ def matmul_child(lib, shapes, min_time):
 
         mk = lambda s: paddle.to_tensor(np.random.default_rng(0).standard_normal(s, dtype=np.float32))  # noqa: E731
         mm, version = paddle.matmul, paddle.__version__
+    elif lib == "torch":
+        import torch
+
+        mk = lambda s: torch.from_numpy(np.random.default_rng(0).standard_normal(s, dtype=np.float32))  # noqa: E731
+        mm, version = torch.matmul, torch.__version__
     else:
         mk = lambda s: np.random.default_rng(0).standard_normal(s, dtype=np.float32)  # noqa: E731
         mm, version = np.matmul, np.__version__
@@ -112,6 +117,8 @@ def measure_matmul(lib, shapes, min_time, env):
            "--shapes", ",".join("x".join(map(str, s)) for s in shapes)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
+        if lib == "torch":   # optional reference: report, don't fail
+            return {"lib": lib, "version": "not available", "gflops": {}}
         raise SystemExit(f"matmul child ({lib}) failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -134,6 +141,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--peers", default="paddletune", help="also time these peers' steps against the same "
+                   "ceiling, e.g. paddletune,hf,paddleformers (needed FLOPs do not depend on the library)")
     p.add_argument("--min-time", type=float, default=0.5, help="seconds per matmul timing round")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 step, short matmul timing (test suite)")
     p.add_argument("--matmul-child", default=None, help=argparse.SUPPRESS)
@@ -151,7 +160,7 @@ def main():
               (tokens, cfg["hidden_size"], cfg["vocab_size"])]
     if not o.smoke:
         shapes.insert(1, (2048, 2048, 2048))
-    mats = [measure_matmul(lib, shapes, o.min_time, env) for lib in ("paddle", "numpy")]
+    mats = [measure_matmul(lib, shapes, o.min_time, env) for lib in ("paddle", "numpy", "torch")]
     ceiling = max(mats[0]["gflops"].values())
     rows = []
     with tempfile.TemporaryDirectory(prefix="paddletune-ceiling-") as work:
@@ -166,25 +175,28 @@ def main():
             spec = dict(harness.LORA, mode=mode, method=method, layout=layout, checkpoint=os.path.join(work, "checkpoint"),
                         data=data, steps=o.steps, warmup=o.warmup, lr=1e-3, max_grad_norm=1.0, seed=0,
                         batch=cfg["batch"], seq=cfg["seq"], workdir=work)
-            rows.append((mode, layout, harness.run_peer("paddletune", spec, env, work)))
+            for peer in o.peers.split(","):
+                lay = layout if peer == "paddletune" else "padded"   # peers: their default padding
+                rows.append((mode, lay, peer, harness.run_peer(peer, dict(spec, layout=lay), env, work)))
     print(f"\n`python benchmarks/cpu_ceiling.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print(f"\nMachine: {harness.cpu_text()}; {harness.env_text(env)}. Loaded, shared machine unless stated.\n")
     print("| fp32 matmul [m,k]x[k,n] | " + " | ".join(f"{m['lib']} {m['version']} GFLOP/s" for m in mats) + " |")
     print("|---|" + "---|" * len(mats))
     for key in mats[0]["gflops"]:
-        print(f"| {key} | " + " | ".join(f"{m['gflops'][key]:.1f}" for m in mats) + " |")
+        print(f"| {key} | " + " | ".join(f"{m['gflops'][key]:.1f}" if key in m["gflops"] else "-" for m in mats) + " |")
     print(f"\nCeiling (best paddle rate): {ceiling:.1f} GFLOP/s.\n")
-    print(f"{harness.describe(cfg)}; paddletune training step, {o.warmup} warmup + {o.steps} timed steps.\n")
-    print("| mode | data layout | labelled fraction | needed MFLOP/token | tokens/s | achieved GFLOP/s | "
+    print(f"{harness.describe(cfg)}; training step as in compare_peers.py, {o.warmup} warmup + {o.steps} timed "
+          "steps, one run per row.\n")
+    print("| mode | peer | data layout | labelled fraction | needed MFLOP/token | tokens/s | achieved GFLOP/s | "
           "% of ceiling | tokens/s at ceiling |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, layout, res in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, layout, peer, res in rows:
         if res["status"] != "ok":
-            print(f"| {mode} | {layout} | {res['status']}: {res.get('reason', '')} | | | | | |")
+            print(f"| {mode} | {peer} | {layout} | {res['status']}: {res.get('reason', '')} | | | | | |")
             continue
         per_tok, frac = step_needs(cfg, res, MODES[mode][0])
         achieved = per_tok * res["tokens_per_sec"] / 1e9
-        print(f"| {mode} | {layout.replace('_', ' ')} | {frac:.2f} | {per_tok / 1e6:.1f} | {res['tokens_per_sec']:.0f} | "
+        print(f"| {mode} | {peer} | {layout.replace('_', ' ')} | {frac:.2f} | {per_tok / 1e6:.1f} | {res['tokens_per_sec']:.0f} | "
               f"{achieved:.1f} | {100 * achieved / ceiling:.0f}% | {ceiling * 1e9 / per_tok:.0f} |")
     return 0
 
