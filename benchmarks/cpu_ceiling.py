@@ -1,6 +1,7 @@
 """How close paddletune's training step comes to the machine's fp32 matmul rate.
 
-    python benchmarks/cpu_ceiling.py [--steps 5] [--warmup 2] [--modes full,lora,lora-sft] [--smoke]
+    python benchmarks/cpu_ceiling.py [--steps 5] [--warmup 2] [--runs 3] [--modes full,lora,lora-sft]
+                                     [--peers paddletune,hf,paddleformers] [--smoke]
 
 1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy (torch beside them, as a reference), each in its own process with the same
    thread settings as the training runs, on a 1024^3 (2048^3) square and on the step's own
@@ -136,6 +137,12 @@ def step_needs(cfg, result, method):
     return flops / real, sum(b["targets"] for b in result["timed_batches"]) / real
 
 
+def median_run(runs):
+    """(layout, result) of the run with the median tokens/s (the first result if none is ok)."""
+    ok = sorted((r for r in runs if r[1]["status"] == "ok"), key=lambda r: r[1]["tokens_per_sec"])
+    return ok[len(ok) // 2] if ok else runs[0]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -143,6 +150,7 @@ def main():
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--peers", default="paddletune", help="also time these peers' steps against the same "
                    "ceiling, e.g. paddletune,hf,paddleformers (needed FLOPs do not depend on the library)")
+    p.add_argument("--runs", type=int, default=3, help="runs per row (alternating); the median run is shown")
     p.add_argument("--min-time", type=float, default=0.5, help="seconds per matmul timing round")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 step, short matmul timing (test suite)")
     p.add_argument("--matmul-child", default=None, help=argparse.SUPPRESS)
@@ -151,7 +159,7 @@ def main():
     if o.matmul_child:
         return matmul_child(o.matmul_child, [tuple(map(int, s.split("x"))) for s in o.shapes.split(",")], o.min_time)
     if o.smoke:
-        o.steps, o.warmup, o.min_time = 1, 0, 0.05
+        o.steps, o.warmup, o.min_time, o.runs = 1, 0, 0.05, 1
     cfg = harness.SMOKE if o.smoke else harness.DESIGN
     env = harness.peer_env("same")
     tokens = cfg["batch"] * cfg["seq"]
@@ -175,9 +183,13 @@ def main():
             spec = dict(harness.LORA, mode=mode, method=method, layout=layout, checkpoint=os.path.join(work, "checkpoint"),
                         data=data, steps=o.steps, warmup=o.warmup, lr=1e-3, max_grad_norm=1.0, seed=0,
                         batch=cfg["batch"], seq=cfg["seq"], workdir=work)
-            for peer in o.peers.split(","):
-                lay = layout if peer == "paddletune" else "padded"   # peers: their default padding
-                rows.append((mode, lay, peer, harness.run_peer(peer, dict(spec, layout=lay), env, work)))
+            peers, runs = o.peers.split(","), {}
+            for run in range(o.runs):   # alternating, the first peer rotating, as in compare_peers.py
+                for peer in peers[run % len(peers):] + peers[:run % len(peers)]:
+                    lay = layout if peer == "paddletune" else "padded"   # peers: their default padding
+                    runs.setdefault(peer, []).append((lay, harness.run_peer(peer, dict(spec, layout=lay), env, work)))
+            for peer in peers:
+                rows.append((mode, *median_run(runs[peer]), peer))
     print(f"\n`python benchmarks/cpu_ceiling.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print(f"\nMachine: {harness.cpu_text()}; {harness.env_text(env)}. Loaded, shared machine unless stated.\n")
     print("| fp32 matmul [m,k]x[k,n] | " + " | ".join(f"{m['lib']} {m['version']} GFLOP/s" for m in mats) + " |")
@@ -186,11 +198,11 @@ def main():
         print(f"| {key} | " + " | ".join(f"{m['gflops'][key]:.1f}" if key in m["gflops"] else "-" for m in mats) + " |")
     print(f"\nCeiling (best paddle rate): {ceiling:.1f} GFLOP/s.\n")
     print(f"{harness.describe(cfg)}; training step as in compare_peers.py, {o.warmup} warmup + {o.steps} timed "
-          "steps, one run per row.\n")
+          f"steps, median of {o.runs} alternating runs per row.\n")
     print("| mode | peer | data layout | labelled fraction | needed MFLOP/token | tokens/s | achieved GFLOP/s | "
           "% of ceiling | tokens/s at ceiling |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode, layout, peer, res in rows:
+    for mode, layout, res, peer in rows:
         if res["status"] != "ok":
             print(f"| {mode} | {peer} | {layout} | {res['status']}: {res.get('reason', '')} | | | | | |")
             continue
