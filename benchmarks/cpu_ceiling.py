@@ -3,11 +3,12 @@
     python benchmarks/cpu_ceiling.py [--steps 5] [--warmup 2] [--runs 3] [--modes full,lora,lora-sft]
                                      [--peers paddletune,hf,paddleformers] [--smoke]
 
-1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy (torch beside them, as a reference), each in its own process with the same
-   thread settings as the training runs, on a 1024^3 (2048^3) square and on the step's own
-   shapes (tokens x hidden x intermediate, tokens x hidden x vocab). The ceiling is the best rate.
-2. The step: benchmarks/peers/paddletune_train.py (and, with --peers, the other peers' scripts) on the DESIGN.md section 5 model (the run that
-   compare_peers.py times), and its achieved rate = needed FLOPs / step time.
+1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy (torch beside them, as a reference),
+   each in its own process with the same thread settings as the training runs, on a 1024^3
+   (2048^3) square and on the step's own shapes (tokens x hidden x intermediate, tokens x hidden
+   x vocab). The ceiling is the best paddle rate.
+2. The step: benchmarks/peers/paddletune_train.py (with --peers, the other peers' scripts too) on
+   the DESIGN.md section 5 model, as compare_peers.py runs it; achieved = needed FLOPs / step time.
 
 Needed FLOPs (`step_flops`) count matmuls only, and only those the step cannot avoid: per token
 and Linear (in, out) 2*in*out forward, 2*in*out for the input gradient unless nothing upstream
