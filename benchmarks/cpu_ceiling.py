@@ -5,8 +5,8 @@
 
 1. The ceiling: fp32 matmul GFLOP/s of paddle and numpy (torch beside them, as a reference),
    each in its own process with the same thread settings as the training runs, on a 1024^3
-   (2048^3) square and on the step's own shapes (tokens x hidden x intermediate, tokens x hidden
-   x vocab). The ceiling is the best paddle rate.
+   (2048^3) square and on the step's own shapes (MLP up and down, LM head forward and its input
+   gradient: [tokens, vocab] x [vocab, hidden]). The ceiling is the best paddle rate.
 2. The step: benchmarks/peers/paddletune_train.py (with --peers, the other peers' scripts too) on
    the DESIGN.md section 5 model, as compare_peers.py runs it; achieved = needed FLOPs / step time.
 
@@ -165,8 +165,9 @@ def main():
     env = harness.peer_env("same")
     tokens = cfg["batch"] * cfg["seq"]
     square = 256 if o.smoke else 1024
-    shapes = [(square, square, square), (tokens, cfg["hidden_size"], cfg["intermediate_size"]),
-              (tokens, cfg["hidden_size"], cfg["vocab_size"])]
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    # square, then the step's own: MLP up, MLP down, LM head forward, LM head input gradient
+    shapes = [(square, square, square), (tokens, H, I), (tokens, I, H), (tokens, H, V), (tokens, V, H)]
     if not o.smoke:
         shapes.insert(1, (2048, 2048, 2048))
     mats = [measure_matmul(lib, shapes, o.min_time, env) for lib in ("paddle", "numpy", "torch")]
