@@ -108,3 +108,25 @@ def test_profile_paddletune_smoke():
     r = run_script([os.path.join(ROOT, "benchmarks", "peers", "profile_paddletune.py"), "--smoke", "--method", "lora"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| matmul (fwd + grad) |" in r.stdout and "| Forward |" in r.stdout, r.stdout
+
+
+def test_setup_refuses_a_cuda_torch(tmp_path, monkeypatch):
+    """--setup asks pip what torch==2.13.0 resolves to before installing; a non-+cpu build is refused."""
+    import harness
+
+    py = tmp_path / "venv" / "bin" / "python"
+
+    def fake_pip(python, args, log):
+        report = args[args.index("--report") + 1]
+        with open(report, "w") as f:
+            json.dump({"install": [{"metadata": {"version": version},
+                                    "download_info": {"url": "https://example.invalid/torch-2.13.0-cp311.whl"}}]}, f)
+        return ["pip", *args], 0
+
+    monkeypatch.setattr(harness, "_pip", fake_pip)
+    os.makedirs(py.parent)
+    version = "2.13.0"
+    why = harness._cpu_torch_guard(str(py), None)
+    assert why and "not a CPU build" in why and "refusing" in why
+    version = "2.13.0+cpu"
+    assert harness._cpu_torch_guard(str(py), None) is None
