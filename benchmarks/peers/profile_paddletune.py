@@ -2,7 +2,7 @@
 compare_peers configuration, summarised by phase and by operator.
 
     PYTHONPATH=. python benchmarks/peers/profile_paddletune.py [--method full|lora]
-        [--layout padded|zero_padding] [--steps 3] [--smoke] [--raw]
+        [--layout padded|zero_padding] [--steps 3] [--smoke] [--raw] [--kernels]
 
 Phases (paddle's Model Summary): Forward, Backward, Others (= clipping, optimizer, host work).
 Operators: the top ones by CPU total, grouped (matmul, loss, norms/pow, elementwise, ...).
@@ -51,6 +51,48 @@ def parse_phases(text):
             re.finditer(r"^\s+(Forward|Backward|Others)\s+\S+\s+([\d.]+) /", text, re.M)}
 
 
+def best_ms(f, n=3):
+    f()
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+def kernels(cfg):
+    """Single-kernel timings behind the profile's findings (paddle; torch beside where useful)."""
+    import paddle
+    import paddle.nn.functional as F
+
+    T, H, V = cfg["batch"] * cfg["seq"], cfg["hidden_size"], cfg["vocab_size"]
+    big, act = paddle.randn([V, H]), paddle.randn([T, H])
+    logits, tgt = paddle.randn([T - cfg["batch"], V]), paddle.randint(0, V, [T - cfg["batch"], 1])
+    rows = [(f"x ** 2 / pow(x, 2), [{V}, {H}] (grad-norm of embed/lm_head)", lambda: big ** 2),
+            (f"paddle.square(x), [{V}, {H}]", lambda: paddle.square(big)),
+            (f"x.pow(2), [{T}, {H}] (RMSNorm)", lambda: act.pow(2)),
+            (f"paddle.square(x), [{T}, {H}]", lambda: paddle.square(act)),
+            (f"F.cross_entropy(sum), [{T - cfg['batch']}, {V}]", lambda: F.cross_entropy(logits, tgt, reduction="sum")),
+            (f"paddle.exp, [{T - cfg['batch']}, {V}]", lambda: paddle.exp(logits)),
+            (f"F.softmax, [16, {V}]", lambda: F.softmax(logits[:16], -1)),
+            (f"F.log_softmax, [16, {V}]", lambda: F.log_softmax(logits[:16], -1))]
+    print("\n| kernel (fp32, CPU) | paddle ms | torch ms |\n|---|---|---|")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    for name, f in rows:
+        ref = ""
+        if torch is not None and "cross_entropy" in name:
+            tl, tt = torch.from_numpy(logits.numpy()), torch.from_numpy(tgt.numpy()[:, 0])
+            ref = f"{best_ms(lambda: torch.nn.functional.cross_entropy(tl, tt, reduction='sum')):.1f}"
+        elif torch is not None and "** 2" in name:
+            tb = torch.from_numpy(big.numpy())
+            ref = f"{best_ms(lambda: tb ** 2):.1f}"
+        print(f"| {name} | {best_ms(f, 1 if 'log_softmax' in name else 3):.1f} | {ref} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", choices=["full", "lora"], default="lora")
@@ -59,6 +101,7 @@ def main():
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 step")
     p.add_argument("--raw", action="store_true", help="print paddle's full summary too")
+    p.add_argument("--kernels", action="store_true", help="also time the single kernels behind the findings")
     o = p.parse_args()
     cfg = harness.SMOKE if o.smoke else harness.DESIGN
     steps = 1 if o.smoke else o.steps
@@ -116,6 +159,8 @@ def main():
             print(f"| {n} | {calls / steps:.0f} | {ms / steps:.1f} | {100 * ms / total:.1f}% |")
     if o.raw or not ops:
         print(text)
+    if o.kernels:
+        kernels(cfg)
 
 
 if __name__ == "__main__":
