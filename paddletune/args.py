@@ -225,7 +225,9 @@ def _type_of(f):
 def _convert(key, value, f, source):
     """Coerce a JSON or CLI value to the field's type; errors name the key and source."""
     typ = _type_of(f)
-    nullable = str(f.type).startswith("typing.Optional")
+    # "none" resets a string key only where None is one of its choices (weight_quantize_algo);
+    # elsewhere it may be a real value (chat_template: none = no template)
+    nullable = None in (f.metadata.get("choices") or ())
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null")
                          and (typ is not str or nullable)):
         return None
