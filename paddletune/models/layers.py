@@ -40,7 +40,8 @@ class RMSNorm(nn.Layer):
     def forward(self, x):
         dtype = x.dtype
         x32 = x.astype("float32")
-        y = x32 * paddle.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # paddle.square, not pow(2): paddle's CPU pow kernel is ~100x slower
+        y = x32 * paddle.rsqrt(paddle.square(x32).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.astype(dtype)
 
 
@@ -97,34 +98,51 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+class RopeTables:
+    """cos/sin [B, S, D] of one forward pass, shared by all layers. `apply(x)` rotates x
+    [B, S, heads, D]; the tables are expanded once per head count to x's full shape, because
+    paddle's CPU multiply with a broadcast [B, S, 1, D] operand is ~3x slower (fwd + bwd) than a
+    same-shape one."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin = cos, sin
+        self._full = {}
+
+    def apply(self, x):
+        key = (x.shape[2], x.dtype)
+        if key not in self._full:
+            shape = list(x.shape)
+            self._full[key] = tuple(t.unsqueeze(2).astype(x.dtype).expand(shape).clone()
+                                    for t in (self.cos, self.sin))
+        cos, sin = self._full[key]
+        return x * cos + rotate_half(x) * sin
+
+
 # ------------------------------------------------------------------------------------- attention
 
 def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dtype="float32"):
-    """Additive mask [B or 1, 1, S, T] (0 = attend, large negative = blocked), or None when plain
-    causal attention over a single new token needs no mask.
+    """Which keys each query may NOT see: a bool mask [B or 1, 1, S, T] (True = blocked), or None
+    when plain causal attention over a single new token needs no mask.
 
     - causal: query i (absolute position past+i) sees keys j <= past+i;
     - attention_mask [B, T] (1 real, 0 pad) blocks padded keys;
     - segment_ids [B, S] (packed sequences, no past) blocks keys of other segments; alone
-      (no past, no attention_mask) they give a PackedRows instead of a dense mask."""
+      (no past, no attention_mask) they give a PackedRows instead of a dense mask.
+    A boolean mask applied with masked_fill, not an additive float bias: paddle's CPU kernels add
+    a broadcast [1, 1, S, T] bias ~30x slower than they fill a broadcast bool mask."""
     if segment_ids is not None and past == 0 and attention_mask is None:
         return PackedRows(segment_ids, dtype)
     T = past + q_len
-    neg = _NEG[str(dtype).replace("paddle.", "")]
-    bias = None
+    blocked = None
     if q_len > 1:
-        bias = paddle.triu(paddle.full([q_len, T], neg, dtype=dtype), diagonal=past + 1)
-        bias = bias.reshape([1, 1, q_len, T])
+        blocked = paddle.triu(paddle.ones([q_len, T], dtype="bool"), diagonal=past + 1).reshape([1, 1, q_len, T])
     if attention_mask is not None:
-        pad = (1.0 - attention_mask.astype(dtype)).reshape([batch, 1, 1, T]) * neg
-        bias = pad if bias is None else bias + pad
+        pad = (attention_mask == 0).reshape([batch, 1, 1, T])
+        blocked = pad if blocked is None else paddle.logical_or(blocked, pad)
     if segment_ids is not None:
-        same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)   # [B, S, S]
-        seg = paddle.where(same, paddle.zeros([], dtype), paddle.full([], neg, dtype)).unsqueeze(1)
-        bias = seg if bias is None else bias + seg
-    if bias is not None:
-        bias = paddle.clip(bias, min=neg)  # summed masks stay finite
-    return bias
+        other = (segment_ids.unsqueeze(2) != segment_ids.unsqueeze(1)).unsqueeze(1)   # [B, 1, S, S]
+        blocked = other if blocked is None else paddle.logical_or(blocked, other)
+    return blocked
 
 
 class PackedRows:
@@ -163,17 +181,16 @@ class PackedRows:
                     group.append(r)
 
     def _bias(self, group):
-        """Additive [1, 1, n, n] mask of one block: causal and same example."""
+        """Bool [1, 1, n, n] mask of one block (True = blocked): causal and same example."""
         n = group[-1][1] - group[0][0]
         if len(group) == 1 and n in self._causal:
             return self._causal[n]
         local = np.concatenate([np.full(e - s, i) for i, (s, e) in enumerate(group)])
         ok = (local[:, None] == local[None, :]) & np.tril(np.ones((n, n), bool))
-        neg = _NEG[str(self.dtype).replace("paddle.", "")]
-        bias = paddle.to_tensor(np.where(ok, 0.0, neg).astype("float32")).astype(self.dtype).reshape([1, 1, n, n])
+        blocked = paddle.to_tensor(~ok).reshape([1, 1, n, n])
         if len(group) == 1:
-            self._causal[n] = bias
-        return bias
+            self._causal[n] = blocked
+        return blocked
 
     def cu_seqlens(self):
         """int32 [num_examples + 1] over the flattened [B*S] tokens (varlen flash attention)."""
@@ -226,8 +243,8 @@ def _packed_attention(q, k, v, layout, dropout, training):
 def attention(q, k, v, bias=None, dropout=0.0, training=False):
     """Scaled dot-product attention with grouped KV heads and no K/V repetition.
 
-    q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias broadcastable to [B, 1, S, T], or a
-    PackedRows (zero padding). Query heads k*g .. k*g+g-1 share KV head k (as HF's repeat_kv).
+    q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias: bool mask broadcastable to
+    [B, 1, S, T] (True = blocked, from attention_bias), or a PackedRows (zero padding). Query heads k*g .. k*g+g-1 share KV head k (as HF's repeat_kv).
     Returns [B, S, N*D]."""
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training)
@@ -240,8 +257,10 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False):
     g = N // K
     qg = q.reshape([B, K, g * S, D])
     scores = paddle.matmul(qg, k, transpose_y=True) * (1.0 / math.sqrt(D))  # [B, K, g*S, T]
-    if bias is not None:
-        scores = (scores.reshape([B, K, g, S, T]) + bias.unsqueeze(1)).reshape([B, K, g * S, T])
+    if bias is not None:   # bool [B|1, 1, S, T], True = blocked
+        neg = _NEG[str(scores.dtype).replace("paddle.", "")]
+        scores = paddle.masked_fill(scores.reshape([B, K, g, S, T]), bias.unsqueeze(1), neg)
+        scores = scores.reshape([B, K, g * S, T])
     probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
     if dropout > 0 and training:
         probs = F.dropout(probs, dropout, training=True)

@@ -16,7 +16,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from .cache import PrefixCache
-from .layers import (CausalLMOutput, RMSNorm, apply_rope, attention, attention_bias,
+from .layers import (CausalLMOutput, RMSNorm, RopeTables, attention, attention_bias,
                      causal_lm_loss, rope_cos_sin, rope_inv_freq)
 from .spec import ModelSpec, register
 
@@ -116,13 +116,13 @@ class LlamaAttention(nn.Layer):
         self.dropout = cfg.attention_dropout
         self.layer_idx = 0
 
-    def forward(self, x, cos, sin, bias=None, cache=None):
+    def forward(self, x, rope, bias=None, cache=None):
         B, S = x.shape[0], x.shape[1]
         # heads are read from the projection width so a tensor-parallel slice works unchanged
         q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
         k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
         v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope.apply(q), rope.apply(k)
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # [B, heads, S, D]
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
@@ -153,8 +153,8 @@ class LlamaDecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h, cos, sin, bias=None, cache=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, bias, cache)
+    def forward(self, h, rope, bias=None, cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), rope, bias, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Layer):
         h = self.model.embed_tokens(input_ids)
         if self.embedding_hook is not None:
             h = self.embedding_hook(h)
-        cos, sin = self.rope_tables(position_ids)
+        rope = RopeTables(*self.rope_tables(position_ids))
         bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
         for layer in self.model.layers:
             # recompute only where the layer input carries a gradient (a frozen embedding's output
@@ -216,9 +216,9 @@ class LlamaForCausalLM(nn.Layer):
             if (self.recompute and self.training and not h.stop_gradient
                     and (cache is None or isinstance(cache, PrefixCache))):
                 from paddle.distributed.fleet.utils import recompute
-                h = recompute(layer, h, cos, sin, bias, cache, use_reentrant=False)
+                h = recompute(layer, h, rope, bias, cache, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, bias, cache)
+                h = layer(h, rope, bias, cache)
         if cache is not None:
             cache.advance(S)
         h = self.model.norm(h)

@@ -63,8 +63,12 @@ class LoRALinear(nn.Layer):
         if self.merged:
             return y
         h = F.dropout(x, self.dropout, training=self.training) if self.dropout > 0 else x
-        return y + (self.lora_B(self.lora_A(h.astype(self.lora_A.weight.dtype))) * self.scaling
-                    ).astype(y.dtype)
+        wa, wb = self.lora_A.weight, self.lora_B.weight
+        if h.dtype != wa.dtype:
+            h = h.astype(wa.dtype)
+        # (h A)(s B): the scale goes on the small [r, out] matrix, not on the [tokens, out] output
+        delta = paddle.matmul(paddle.matmul(h, wa), wb * self.scaling)
+        return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
     def delta_weight(self):
         """s * A @ B: [in, out], the change merge() adds to the paddle-layout base weight."""
