@@ -117,3 +117,32 @@ def test_python_api(tiny_llama):
     assert list(out.logits.shape) == [1, len(ids), model.config.vocab_size]
     assert tok.decode(ids, skip_special_tokens=True) == "Add 2 and 3."
     assert paddletune.__version__
+
+
+@pytest.mark.parametrize("tied,frozen_head", [(False, False), (True, False), (False, True)])
+def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, monkeypatch):
+    """Training mode computes the head + CE chunk by chunk (LinearCrossEntropy, gradients formed
+    in the forward pass); loss and every gradient equal the eval-mode path through full logits."""
+    from paddletune.models import layers
+
+    monkeypatch.setattr(layers.LinearCrossEntropy, "BLOCK_ELEMENTS", 600 * 5)   # 5-row chunks
+    path, _ = hf_checkpoint(tmp_path / "ck", "qwen2" if tied else "llama", tie_word_embeddings=tied)
+    ids = ids_for(14, batch=3)
+    labels = ids.copy()
+    labels[:, :4] = -100
+    grads = {}
+    for mode in ("chunked", "full"):
+        model = load_model(path)
+        if frozen_head and not tied:
+            model.lm_head.weight.stop_gradient = True
+        model.train() if mode == "chunked" else model.eval()   # eval() selects the full-logits path
+        assert (model.head_weight() is not None) == (mode == "chunked")
+        out = model(paddle.to_tensor(ids), labels=paddle.to_tensor(labels))
+        assert (out.label_logits is None) == (mode == "chunked")
+        out.loss_sum.backward()
+        grads[mode] = (float(out.loss_sum), {n: p.grad.numpy() for n, p in model.named_parameters()
+                                             if p.grad is not None})
+    (l1, g1), (l2, g2) = grads["chunked"], grads["full"]
+    assert abs(l1 - l2) <= 1e-5 * abs(l2)
+    assert set(g1) == set(g2) and ("lm_head.weight" in g1) == (not frozen_head and not tied)
+    assert max(rel_err(g1[k], g2[k]) for k in g2) <= 1e-5

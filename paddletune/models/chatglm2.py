@@ -264,9 +264,17 @@ class ChatGLM2ForCausalLM(nn.Layer):
         self.transformer = ChatGLM2Model(cfg)
         self.recompute = False          # activation recomputation per block (training)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+        self.keep_label_logits = False  # training returns label logits (R-Drop needs them)
         # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
         # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
         self.cache_hook = None
+
+    def head_weight(self):
+        """(W, transposed) of the plain output layer for the chunked training loss, else None."""
+        out = self.transformer.output_layer
+        if not self.training or self.keep_label_logits or type(out) is not nn.Linear or out.bias is not None:
+            return None
+        return out.weight, False
 
     def head(self, h):
         return self.transformer.output_layer(h)
@@ -300,7 +308,7 @@ class ChatGLM2ForCausalLM(nn.Layer):
         h = self.transformer.encoder.final_layernorm(h)
         if labels is None:
             return CausalLMOutput(logits=self.head(h), hidden_states=h if return_hidden else None)
-        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head)
+        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head, self.head_weight())
         return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum,
                               num_tokens=n, label_logits=label_logits, label_targets=targets,
                               hidden_states=h if return_hidden else None)

@@ -180,9 +180,21 @@ class LlamaForCausalLM(nn.Layer):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
         self.recompute = False          # activation recomputation per decoder layer (training)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+        self.keep_label_logits = False  # training returns label logits (R-Drop needs them)
         # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
         # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
         self.cache_hook = None
+
+    def head_weight(self):
+        """(W, transposed) of a plain linear LM head for the chunked training loss, else None
+        (eval mode, R-Drop, or a wrapped head such as LoRA on lm_head)."""
+        if not self.training or self.keep_label_logits:
+            return None
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight, True
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            return self.lm_head.weight, False
+        return None
 
     def head(self, h):
         if self.config.tie_word_embeddings:
@@ -224,7 +236,7 @@ class LlamaForCausalLM(nn.Layer):
         h = self.model.norm(h)
         if labels is None:
             return CausalLMOutput(logits=self.head(h), hidden_states=h if return_hidden else None)
-        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head)
+        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head, self.head_weight())
         return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum,
                               num_tokens=n, label_logits=label_logits, label_targets=targets,
                               hidden_states=h if return_hidden else None)

@@ -33,6 +33,7 @@ def make_loss_fn(alpha):
         raise ValueError(f"rdrop_alpha must be >= 0, got {alpha}")
 
     def loss_fn(model, inputs):
+        model.keep_label_logits = True   # the KL term needs both passes' label logits
         out1 = model(**inputs)
         if not model.training:
             return out1
