@@ -88,9 +88,20 @@ def rope_cos_sin(position_ids, inv_freq):
     return paddle.cos(emb), paddle.sin(emb)
 
 
+_ROTATE = {}
+
+
 def rotate_half(x):
-    x1, x2 = paddle.chunk(x, 2, axis=-1)
-    return paddle.concat([-x2, x1], axis=-1)
+    """[x1, x2] -> [-x2, x1] on the last axis, as a product with a signed permutation matrix:
+    exact, and on CPU ~10x faster (fwd + bwd) than paddle's split + concat."""
+    key = (x.shape[-1], str(x.dtype))
+    if key not in _ROTATE:
+        d = x.shape[-1] // 2
+        r = np.zeros((2 * d, 2 * d), np.float32)
+        r[np.arange(d) + d, np.arange(d)] = -1.0     # out[:d] = -x2
+        r[np.arange(d), np.arange(d) + d] = 1.0      # out[d:] = x1
+        _ROTATE[key] = paddle.to_tensor(r).astype(x.dtype)
+    return paddle.matmul(x, _ROTATE[key])
 
 
 def apply_rope(x, cos, sin):
