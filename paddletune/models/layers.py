@@ -204,6 +204,16 @@ class PackedRows:
             self._causal[n] = blocked
         return blocked
 
+    def whole_row_mask(self):
+        """[B, 1, S, S] bool mask when each row is exactly one block (typical when max_length is
+        within BLOCK), so attention runs as one batched call; else None."""
+        B, S = self.shape
+        if len(self.blocks) != B or any(lo != 0 or hi != S for _, lo, hi, _ in self.blocks):
+            return None
+        if not hasattr(self, "_whole"):
+            self._whole = paddle.concat([m for _, _, _, m in self.blocks], axis=0)
+        return self._whole
+
     def cu_seqlens(self):
         """int32 [num_examples + 1] over the flattened [B*S] tokens (varlen flash attention)."""
         S, starts = self.shape[1], [0]
@@ -245,6 +255,9 @@ def _packed_attention(q, k, v, layout, dropout, training):
                 import logging
                 logging.getLogger("paddletune").warning("varlen flash attention failed (%s); using "
                                                         "the exact blocked path", e)
+    whole = layout.whole_row_mask()
+    if whole is not None:   # every row is one block: a single batched call, no slicing
+        return _dense_attention(q, k, v, whole, dropout, training)
     rows = [[] for _ in range(q.shape[0])]
     for b, lo, hi, bias in layout.blocks:
         sl = lambda t: t[b:b + 1, :, lo:hi]  # noqa: E731
