@@ -12,7 +12,8 @@ vocab 32000, sequence 256, batch 4; AdamW (betas 0.9/0.999, eps 1e-8, no weight 
 Modes:
   lora      LoRA r=8, alpha=16 on q,k,v,o,gate,up,down; uniform length, every token labelled
   lora-sft  LoRA on variable-length SFT examples (30-70% prompt, unlabelled): every peer pads each
-            batch to its longest row (their default); paddletune also packs (zero padding)
+            batch to its longest row (their default); paddletune also packs (zero padding,
+            sequential and greedy; ratios use greedy)
   full      full fine-tuning, uniform length, every token labelled
 Each run does --warmup untimed then --steps timed optimizer steps; tokens/s counts real (non-pad)
 tokens, target tokens/s the labelled ones. Peers run as benchmarks/peers/*_train.py; a peer that
@@ -30,11 +31,12 @@ import harness  # noqa: E402
 
 MODES = {  # mode -> (method, data kind, [(peer, layout)], the paddletune layout the ratios use)
     "lora": ("lora", "uniform", [("paddletune", "padded"), ("paddleformers", "padded"), ("hf", "padded")], "padded"),
-    "lora-sft": ("lora", "sft", [("paddletune", "zero_padding"), ("paddletune", "padded"),
-                                 ("paddleformers", "padded"), ("hf", "padded")], "zero_padding"),
+    "lora-sft": ("lora", "sft", [("paddletune", "greedy_zero_padding"), ("paddletune", "zero_padding"),
+                                 ("paddletune", "padded"), ("paddleformers", "padded"), ("hf", "padded")],
+                 "greedy_zero_padding"),
     "full": ("full", "uniform", [("paddletune", "padded"), ("paddleformers", "padded"), ("hf", "padded")], "padded"),
 }
-LAYOUT = {"padded": "padding", "zero_padding": "zero padding"}
+LAYOUT = {"padded": "padding", "zero_padding": "zero padding", "greedy_zero_padding": "greedy zero padding"}
 
 
 def parse():

@@ -1,5 +1,5 @@
 """Training throughput and peak RSS for the DESIGN.md section 5 configuration, with and without the
-CPU runtime tuning (threads = physical cores, MKL_DEBUG_CPU_TYPE=5 on AMD).
+CPU runtime tuning (threads = physical cores, MKL_DEBUG_CPU_TYPE=5 on AMD, heap reuse in malloc).
 
     python benchmarks/train_throughput.py [--steps 6] [--warmup 2] [--method full|lora] [--smoke]
 
@@ -36,14 +36,16 @@ def child(opts):
         from paddletune import peft
         from paddletune.args import ModelArgument
 
-        peft.apply(model, ModelArgument(model_name_or_path="x", lora=True, lora_rank=8))
+        trainable = peft.apply(model, ModelArgument(model_name_or_path="x", lora=True, lora_rank=8)).trainable
+    else:
+        trainable = None
     model.train()
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CONFIG["vocab_size"], (BATCH, SEQ))
     batch = {"input_ids": ids, "labels": ids.copy(), "attention_mask": np.ones_like(ids)}
     args = TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=BATCH, max_steps=opts.steps,
                              learning_rate=1e-4, disable_tqdm=True)
-    trainer = Trainer(model, args, train_dataset=[], export_fn=lambda d: None)
+    trainer = Trainer(model, args, train_dataset=[], export_fn=lambda d: None, trainable=trainable)
     for _ in range(opts.warmup):
         trainer.training_step([batch], 1e-4)
     t = time.perf_counter()
@@ -59,8 +61,10 @@ def child(opts):
 
 
 MODES = {
-    "paddle defaults (1 thread)": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DEBUG_CPU_TYPE": None},
-    "paddletune runtime tuning": {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None, "MKL_DEBUG_CPU_TYPE": None},
+    "paddle defaults (1 thread, glibc malloc)": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                                 "MKL_DEBUG_CPU_TYPE": None, "PADDLETUNE_MALLOC": "default"},
+    "paddletune runtime tuning": {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None, "MKL_DEBUG_CPU_TYPE": None,
+                                  "PADDLETUNE_MALLOC": None},
 }
 
 

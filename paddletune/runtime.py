@@ -99,28 +99,20 @@ def configure_cpu_env():
 def _keep_freed_memory():
     """Make glibc malloc reuse freed memory instead of mapping fresh pages for every large tensor.
 
-    paddle's CPU allocator calls malloc/free per tensor; glibc serves blocks above the mmap
-    threshold with mmap and gives them back with munmap, so each new activation or gradient of a
-    training step page-faults its memory in again. Measured on the 2-core dev machine: an add of two
-    [1024, 688] tensors 1.25 ms -> 0.29 ms, softmax [4, 8, 256, 256] 10.7 -> 2.5 ms, cross-entropy
-    [1024, 32000] 100 -> 54 ms. Peak memory is unchanged; freed memory stays in the process for
-    reuse. PADDLETUNE_MALLOC=default opts out."""
+    paddle's CPU allocator calls malloc/free per tensor; glibc serves large blocks with mmap and
+    returns them with munmap, so each new activation, gradient or optimizer temporary of a training
+    step page-faults its memory in again. Measured on the 2-core dev machine (paddle 3.3.1): an add
+    of two [1024, 688] tensors 1.25 -> 0.29 ms, softmax [4, 8, 256, 256] 10.7 -> 2.5 ms; the
+    DESIGN.md section 5 full fine-tune step +28% tokens/s (benchmarks/README.md). Freed memory
+    stays in the process for reuse. PADDLETUNE_MALLOC=default opts out."""
     if os.environ.get("PADDLETUNE_MALLOC") == "default" or not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
-        if os.environ.get("PADDLETUNE_MALLOC", "").startswith("trim"):
-            mb = int(os.environ["PADDLETUNE_MALLOC"][4:])
-            ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, mb << 20) == 1
-        elif os.environ.get("PADDLETUNE_MALLOC") == "arena1":
-            ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1 and libc.mallopt(-8, 1) == 1
-        elif os.environ.get("PADDLETUNE_MALLOC") == "thresh":
-            ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
-        else:
-            ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+        m_trim_threshold, m_mmap_max = -1, -4
+        ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
     except (OSError, AttributeError):   # not glibc
         ok = False
     _CHOICES["malloc"] = "heap reuse (no mmap)" if ok else "default"

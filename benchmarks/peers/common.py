@@ -8,7 +8,7 @@ A peer script is `python peers/<peer>_train.py SPEC.json`; SPEC holds
                  (labels unshifted, HF convention: position t is predicted from tokens < t,
                  -100 = no loss; attention_mask 1 = real token, 0 = right padding)
     method       "lora" | "full";  lora_rank, lora_alpha, lora_targets (module names)
-    layout       "padded" | "zero_padding" (packed rows; paddletune only, needs the data branch)
+    layout       "padded" | "zero_padding" | "greedy_zero_padding" (packed rows; paddletune only)
     steps, warmup, lr, max_grad_norm, seed
 The result line is `BENCH_RESULT {json}`; tokens are counted here from the batches (not by the
 peer), so every peer is measured with the same token and target counts.

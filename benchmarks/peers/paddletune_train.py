@@ -31,15 +31,16 @@ def apply_lora(model, spec):
     return peft.apply(model, margs).trainable
 
 
-def packed_batches(spec):
-    """Zero padding: the same examples, in the same order, packed sequentially (`zero_padding:
-    true`) into rows of <= seq tokens by the library's packer; `batch` rows per step."""
+def packed_batches(spec, greedy=False):
+    """Zero padding: the same examples packed into rows of <= seq tokens by the library's packer,
+    sequentially (`zero_padding: true`) or greedily (`greedy_zero_padding: true`: each example
+    into the open pack with most room, within buffers of 500); `batch` rows per step."""
     try:
         from paddletune.data.packing import collate_packed, pack
     except ImportError:
         common.not_available("paddletune.data.packing (zero padding) is not on this branch yet (data branch)")
     examples = common.load_examples(spec["data"])
-    packs = pack([len(e["input_ids"]) for e in examples], spec["seq"])
+    packs = pack([len(e["input_ids"]) for e in examples], spec["seq"], greedy=greedy)
     rows = [[examples[i] for i in p] for p in packs]
     return [collate_packed(rows[i:i + spec["batch"]], pad_id=0) for i in range(0, len(rows), spec["batch"])]
 
@@ -54,7 +55,10 @@ def build(spec):
     runtime.set_seed(spec["seed"])
     model = load_model(spec["checkpoint"])
     trainable = apply_lora(model, spec) if spec["method"] == "lora" else None
-    batches = packed_batches(spec) if spec["layout"] == "zero_padding" else common.load_batches(spec["data"])
+    if spec["layout"] in ("zero_padding", "greedy_zero_padding"):
+        batches = packed_batches(spec, greedy=spec["layout"] == "greedy_zero_padding")
+    else:
+        batches = common.load_batches(spec["data"])
     model.train()
     args = TrainingArguments(output_dir=os.path.join(spec["workdir"], "paddletune-out"),
                              per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
