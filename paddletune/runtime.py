@@ -86,7 +86,6 @@ def configure_cpu_env():
         else:
             os.environ[key] = str(threads)
             _CHOICES[key] = str(threads)
-    _keep_freed_memory()
     if cpu_vendor() == "AuthenticAMD":
         if "MKL_DEBUG_CPU_TYPE" in os.environ:
             _CHOICES["MKL_DEBUG_CPU_TYPE"] = os.environ["MKL_DEBUG_CPU_TYPE"] + " (user)"
@@ -96,7 +95,7 @@ def configure_cpu_env():
     return _CHOICES
 
 
-def _keep_freed_memory():
+def reuse_freed_memory():
     """Make glibc malloc reuse freed memory instead of mapping fresh pages for every large tensor.
 
     paddle's CPU allocator calls malloc/free per tensor; glibc serves large blocks with mmap and
@@ -104,7 +103,11 @@ def _keep_freed_memory():
     step page-faults its memory in again. Measured on the 2-core dev machine (paddle 3.3.1): an add
     of two [1024, 688] tensors 1.25 -> 0.29 ms, softmax [4, 8, 256, 256] 10.7 -> 2.5 ms; the
     DESIGN.md section 5 full fine-tune step +28% tokens/s (benchmarks/README.md). Freed memory
-    stays in the process for reuse. PADDLETUNE_MALLOC=default opts out."""
+    stays in the process for reuse, so this is switched on when training starts (Trainer), not at
+    import: loading a model (quantizing tensor by tensor) keeps glibc's default and its low peak.
+    PADDLETUNE_MALLOC=default opts out."""
+    if "malloc" in _CHOICES:
+        return
     if os.environ.get("PADDLETUNE_MALLOC") == "default" or not sys.platform.startswith("linux"):
         return
     try:
@@ -116,6 +119,7 @@ def _keep_freed_memory():
     except (OSError, AttributeError):   # not glibc
         ok = False
     _CHOICES["malloc"] = "heap reuse (no mmap)" if ok else "default"
+    logger.info("malloc: %s", _CHOICES["malloc"])
 
 
 class _BannerFilter:

@@ -93,6 +93,7 @@ def test_rdrop_loss_matches_numpy_with_dropout():
         if ".lora_B." in n:
             p.set_value((rng.standard_normal(p.shape) * 0.1).astype(np.float32))
     model.train()
+    model.keep_label_logits = True   # as R-Drop's loss_fn sets it: training passes return label logits
     b = _batch()
     o1, o2 = model(**b), model(**b)
     got = rdrop.combine(o1, o2, alpha=2.0)

@@ -59,6 +59,7 @@ def apply(model, model_args, tokenizer=None):
                     model_args.neftune_noise_alpha)
     if getattr(model_args, "rdrop", False):
         setup.loss_fn = rdrop.make_loss_fn(model_args.rdrop_alpha)
+        model.keep_label_logits = True   # the KL term needs label logits from training passes
         if not rdrop.has_dropout(model):
             logger.warning("rdrop: the model has no dropout (attention_dropout and lora_dropout are 0), "
                            "so both passes agree and the loss equals plain cross-entropy")
