@@ -28,7 +28,7 @@ except ImportError:  # running from a source checkout
     import paddletune  # noqa: F401
 
 from paddletune import runtime
-from paddletune.args import ArgumentError, F, _convert
+from paddletune.args import ArgumentError, F, _convert, read_argv
 
 DEFAULT_PROMPTS = ["Reverse the words: apple river stone", "解释一下“温故而知新”"]
 
@@ -76,32 +76,7 @@ def parse(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         raise SystemExit(0)
-    values, sources = {}, {}
-    if argv and argv[0].endswith(".json") and not argv[0].startswith("--"):
-        path = argv.pop(0)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ArgumentError(f"{path}: cannot read the argument file ({e})") from None
-        for k, v in data.items():
-            values[k], sources[k] = v, path
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("--"):
-            raise ArgumentError(f"command line: expected --key value, got {a!r}")
-        k, v = (a[2:].split("=", 1) + [None])[:2]
-        i += 1
-        if v is None:
-            is_bool = k in FIELDS and FIELDS[k].type in (bool, "bool")
-            if is_bool and (i >= len(argv) or argv[i].startswith("--")):
-                v = "true"
-            elif i < len(argv):
-                v, i = argv[i], i + 1
-            else:
-                raise ArgumentError(f"command line: --{k} needs a value")
-        values[k], sources[k] = v, "command line"
+    values, sources = read_argv(argv, lambda k: k in FIELDS and FIELDS[k].type in (bool, "bool"))
     kwargs = {}
     for k, v in values.items():
         if k not in FIELDS:

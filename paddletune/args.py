@@ -308,6 +308,14 @@ def parse_args(argv=None, warn=None):
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         raise SystemExit(0)
+    values, sources = read_argv(argv, _is_bool_key)
+    return build(values, sources, warn)
+
+
+def read_argv(argv, is_bool_key):
+    """({key: raw value}, {key: where it came from}) from [ARGS.json] [--key value | --key=value |
+    --flag ...]; the command line overrides the file. Used by every script of this project."""
+    argv = list(argv)
     values, sources = {}, {}
     if argv and not argv[0].startswith("--"):
         path = argv.pop(0)
@@ -334,14 +342,14 @@ def parse_args(argv=None, warn=None):
             i += 1
         else:
             k = a[2:]
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and _is_bool_key(k)):
-                v = "true"   # bare --flag
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and is_bool_key(k)):
+                v = "true"   # bare --flag (a non-bool key then fails its type check, by name)
                 i += 1
             else:
                 v = argv[i + 1]
                 i += 2
         values[k], sources[k] = v, "command line"
-    return build(values, sources, warn)
+    return values, sources
 
 
 def _is_bool_key(k):

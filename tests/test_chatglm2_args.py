@@ -5,7 +5,6 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 from conftest import ROOT, run_script
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, hf_checkpoint, rel_err, run_script, write_jsonl
+from conftest import ROOT, hf_checkpoint, rel_err, run_script
 
 SCRIPT = os.path.join(ROOT, "llm", "finetune_generation.py")
 SFT = os.path.join(ROOT, "llm", "llama", "sft_argument.json")

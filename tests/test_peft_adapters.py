@@ -1,40 +1,22 @@
 """Adapter, LowRankAdapter, BitFit: trainable sets against hand counts, identity at start,
 save -> load, bad shapes, copy-task learning. Oracles: hand counts, the base model, the copy task."""
 import numpy as np
-import paddle
 import pytest
 
+from peft_util import tiny, ids, run
 from conftest import copy_pairs, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
-from paddletune.models import build_model, get_spec
 from paddletune.trainer import Trainer
 
-CFG = dict(get_spec("llama").tiny_config, vocab_size=600, hidden_size=64, intermediate_size=512,
-           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
 H, I, KV = 64, 512, 32
 LINEARS = {"self_attn.q_proj": (H, H), "self_attn.k_proj": (H, KV), "self_attn.v_proj": (H, KV),
            "self_attn.o_proj": (H, H), "mlp.gate_proj": (H, I), "mlp.up_proj": (H, I),
            "mlp.down_proj": (I, H)}
 
 
-def tiny(**kw):
-    paddle.seed(0)
-    return build_model(dict(CFG, **kw), seed=0)
-
-
 def margs(**kw):
     return ModelArgument(model_name_or_path="paddletune/tiny-llama", **kw)
-
-
-def ids(B=2, S=9, seed=3):
-    return np.random.default_rng(seed).integers(3, 600, (B, S)).astype(np.int64)
-
-
-def run(model, x):
-    model.eval()
-    with paddle.no_grad():
-        return model(paddle.to_tensor(x)).logits.numpy()
 
 
 def expected(method, m=16, r=4):

@@ -6,45 +6,21 @@ import logging
 import os
 
 import numpy as np
-import paddle
 import pytest
 
+from peft_util import tiny, randomize, ids, run as logits
 from conftest import copy_pairs, hf_checkpoint, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
-from paddletune.models import build_model, get_spec, load_model
+from paddletune.models import load_model
 from paddletune.peft import lora
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import read_tensors
-
-CFG = dict(get_spec("llama").tiny_config, vocab_size=600, hidden_size=64, intermediate_size=512,
-           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-
-
-def tiny(**kw):
-    paddle.seed(0)
-    return build_model(dict(CFG, **kw), seed=0)
 
 
 def margs(**kw):
     return ModelArgument(model_name_or_path=kw.pop("model_name_or_path", "paddletune/tiny-llama"),
                          lora=True, **kw)
-
-
-def randomize(params, seed=1, scale=0.1):
-    rng = np.random.default_rng(seed)
-    for p in params.values():
-        p.set_value((rng.standard_normal(p.shape) * scale).astype(np.float32))
-
-
-def ids(B=2, S=9, seed=3, vocab=600):
-    return np.random.default_rng(seed).integers(3, vocab, (B, S)).astype(np.int64)
-
-
-def logits(model, x):
-    model.eval()
-    with paddle.no_grad():
-        return model(paddle.to_tensor(x)).logits.numpy()
 
 
 def test_trainable_names_and_count():

@@ -8,43 +8,20 @@ import numpy as np
 import paddle
 import pytest
 
+from peft_util import tiny, randomize, ids, run
 from conftest import copy_pairs, hf_checkpoint, rel_err, token_accuracy, training_args
 from paddletune import args as args_mod
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
-from paddletune.models import build_model, get_spec, load_model
+from paddletune.models import load_model
 from paddletune.models.cache import KVCache
 from paddletune.peft import prefix
 from paddletune.trainer import Trainer
-
-CFG = dict(get_spec("llama").tiny_config, vocab_size=600, hidden_size=64, intermediate_size=512,
-           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-
-
-def tiny(**kw):
-    paddle.seed(0)
-    return build_model(dict(CFG, **kw), seed=0)
 
 
 def margs(**kw):
     return ModelArgument(model_name_or_path=kw.pop("model_name_or_path", "paddletune/tiny-llama"),
                          prefix_tuning=True, **kw)
-
-
-def randomize(params, seed=1, scale=0.5):
-    rng = np.random.default_rng(seed)
-    for p in params.values():
-        p.set_value((rng.standard_normal(p.shape) * scale).astype(np.float32))
-
-
-def ids(B=2, S=9, seed=3):
-    return np.random.default_rng(seed).integers(3, 600, (B, S)).astype(np.int64)
-
-
-def run(model, x, **kw):
-    model.eval()
-    with paddle.no_grad():
-        return model(paddle.to_tensor(x), **kw).logits.numpy()
 
 
 def test_trainable_names_and_count():
@@ -75,7 +52,7 @@ def test_zero_prefix_tokens_equals_base():
 def test_one_pass_equals_token_by_token_through_cache(kv_heads):
     model = tiny(num_key_value_heads=kv_heads)
     setup = peft.apply(model, margs(num_prefix_tokens=3))
-    randomize(setup.trainable)
+    randomize(setup.trainable, scale=0.5)
     x = ids(S=7)
     full = run(model, x)
     assert rel_err(full, run(tiny(num_key_value_heads=kv_heads), x)) > 1e-2  # the prefix matters
@@ -97,7 +74,7 @@ def test_recompute_with_prefix_gives_same_gradients(monkeypatch):
     for rc in (False, True):
         model = tiny()
         setup = peft.apply(model, margs(num_prefix_tokens=3))
-        randomize(setup.trainable)
+        randomize(setup.trainable, scale=0.5)
         model.train()
         model.recompute = rc
         x = paddle.to_tensor(ids())
@@ -113,7 +90,7 @@ def test_recompute_with_prefix_gives_same_gradients(monkeypatch):
 def test_attention_mask_is_extended_left_padding():
     model = tiny()
     setup = peft.apply(model, margs(num_prefix_tokens=3))
-    randomize(setup.trainable)
+    randomize(setup.trainable, scale=0.5)
     x = ids(B=1, S=5)
     plain = run(model, x)
     padded = np.concatenate([np.zeros((1, 2), np.int64), x], axis=1)
@@ -130,7 +107,7 @@ def test_torch_peft_loads_our_prefix(tmp_path):
     path, hf_model = hf_checkpoint(tmp_path / "base")
     model = load_model(path)
     setup = peft.apply(model, margs(model_name_or_path=path, num_prefix_tokens=4))
-    randomize(setup.trainable)
+    randomize(setup.trainable, scale=0.5)
     setup.export_fn(str(tmp_path / "pt"))
     conf = json.load(open(tmp_path / "pt" / "adapter_config.json"))
     assert conf["peft_type"] == "PREFIX_TUNING" and conf["num_virtual_tokens"] == 4

@@ -4,35 +4,17 @@ both still learn the copy task. Oracles: the base model, numpy, the copy task.""
 import numpy as np
 import paddle
 
+from peft_util import tiny, ids, run
 from conftest import copy_pairs, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ModelArgument
 from paddletune.data.collate import pad_batch
-from paddletune.models import build_model, get_spec
 from paddletune.peft import neftune, rdrop
 from paddletune.trainer import Trainer
-
-CFG = dict(get_spec("llama").tiny_config, vocab_size=600, hidden_size=64, intermediate_size=512,
-           num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-
-
-def tiny(**kw):
-    paddle.seed(0)
-    return build_model(dict(CFG, **kw), seed=0)
 
 
 def margs(**kw):
     return ModelArgument(model_name_or_path="paddletune/tiny-llama", **kw)
-
-
-def ids(B=2, S=9, seed=3):
-    return np.random.default_rng(seed).integers(3, 600, (B, S)).astype(np.int64)
-
-
-def run(model, x):
-    model.eval()
-    with paddle.no_grad():
-        return model(paddle.to_tensor(x)).logits.numpy()
 
 
 # ------------------------------------------------------------------------------ NEFTune

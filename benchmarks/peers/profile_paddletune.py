@@ -154,7 +154,7 @@ def main():
             left = [x for x in left if not re.search(pat, x[0], re.I)]
             print(f"| {name} | {ms / steps:.0f} | {100 * ms / total:.0f}% |")
         print(f"| other operators | {sum(t for _, _, t in left) / steps:.0f} | {100 * sum(t for _, _, t in left) / total:.0f}% |")
-        print(f"\n| top operators | calls/step | ms/step | share |\n|---|---|---|---|")
+        print("\n| top operators | calls/step | ms/step | share |\n|---|---|---|---|")
         for n, calls, ms in ops[:o.top]:
             print(f"| {n} | {calls / steps:.0f} | {ms / steps:.1f} | {100 * ms / total:.1f}% |")
     if o.raw or not ops:
