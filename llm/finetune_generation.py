@@ -68,7 +68,7 @@ def main(argv=None):
         return 2
     topo = parallel.init(args)
     runtime.log_runtime()
-    runtime.set_device()
+    runtime.set_device(args.device)
     runtime.set_seed(args.seed)
     if train_ds is not None and data_args.lazy:
         logger.info("train: streamed from %s (%d bytes), file order", ", ".join(train_ds.files), train_ds.total)

@@ -439,6 +439,12 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
 
             if device() == "cpu":
                 warn(f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32")
+    if args.device == "gpu":
+        from .runtime import device
+
+        if device() != "gpu":
+            err("device", "is gpu but paddle sees no GPU (CPU build or no visible device): install "
+                "paddlepaddle-gpu (pip install -e .[gpu]) or use device: cpu / auto")
     if model_args.use_flash_attention:
         from .runtime import device
 

@@ -166,10 +166,15 @@ def device():
     return "cpu"
 
 
-def set_device():
+def set_device(requested="auto"):
+    """Select the device for this process: `requested` is auto | cpu | gpu (TrainingArguments
+    `device`); auto takes a GPU when there is one. Asking for a GPU without one is an error."""
     import paddle
 
-    dev = device()
+    dev = device() if requested in (None, "auto") else requested
+    if dev == "gpu" and device() != "gpu":
+        raise ValueError("device=gpu but paddle sees no GPU (CPU build, or no visible device); "
+                         "install paddlepaddle-gpu or use device=cpu")
     if dev == "gpu":
         from paddle.distributed import ParallelEnv
 

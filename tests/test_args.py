@@ -134,3 +134,12 @@ def test_nullable_keys_reset_from_the_command_line(tmp_path):
     p = write(tmp_path, dict(BASE, weight_quantize_algo="nf4", lora=True))
     m, d, q, g, t = parse_args([p, "--weight_quantize_algo", "none"])
     assert q.weight_quantize_algo is None
+
+
+def test_gpu_device_without_a_gpu_is_refused(tmp_path):
+    import paddle
+
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return  # the refusal is about machines without a GPU; on a GPU box the value is valid
+    with pytest.raises(ArgumentError, match="sees no GPU"):
+        parse_args([write(tmp_path, dict(BASE, device="gpu"))])
