@@ -29,6 +29,7 @@ except ImportError:  # running from a source checkout
 
 from paddletune import runtime
 from paddletune.args import ArgumentError, F, _convert, read_argv
+from paddletune.data.sft import DataError, read_json_lines
 
 DEFAULT_PROMPTS = ["Reverse the words: apple river stone", "解释一下“温故而知新”"]
 
@@ -99,24 +100,19 @@ def read_data(path):
     if not os.path.isfile(path):
         raise ArgumentError(f"data_file={path!r} not found (working directory {os.getcwd()})")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ArgumentError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            src = row.get("src") if isinstance(row, dict) else None
-            ok = isinstance(src, str) or (isinstance(src, list) and src and all(isinstance(s, str) for s in src))
-            if not ok:
-                raise ArgumentError(f"{path}:{n}: needs \"src\": a string or a list of strings, got {row!r:.80}")
-            tgt = row.get("tgt", "")
-            if isinstance(src, list) and not (isinstance(tgt, list) and len(tgt) >= len(src) - 1
-                                              and all(isinstance(t, str) for t in tgt)):
-                raise ArgumentError(f"{path}:{n}: a list \"src\" (rounds) needs a list \"tgt\" holding "
-                                    f"at least the {len(src) - 1} earlier answers")
-            rows.append((src, tgt))
+    try:
+        lines = list(read_json_lines(path))
+    except DataError as e:
+        raise ArgumentError(str(e)) from None
+    for n, row in lines:
+        src, tgt = row.get("src"), row.get("tgt", "")
+        if not (isinstance(src, str) or (isinstance(src, list) and src and all(isinstance(s, str) for s in src))):
+            raise ArgumentError(f"{path}:{n}: needs \"src\": a string or a list of strings, got {row!r:.80}")
+        if isinstance(src, list) and not (isinstance(tgt, list) and len(tgt) >= len(src) - 1
+                                          and all(isinstance(t, str) for t in tgt)):
+            raise ArgumentError(f"{path}:{n}: a list \"src\" (rounds) needs a list \"tgt\" holding "
+                                f"at least the {len(src) - 1} earlier answers")
+        rows.append((src, tgt))
     if not rows:
         raise ArgumentError(f"data_file {path} has no rows")
     return rows

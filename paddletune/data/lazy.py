@@ -21,7 +21,7 @@ import numpy as np
 
 from .collate import pad_batch
 from .packing import GREEDY_BUFFER, collate_packed, pack
-from .sft import DataError, read_json_lines
+from .sft import DataError, parse_json_line, read_json_lines
 
 CHUNK = GREEDY_BUFFER
 logger = logging.getLogger("paddletune")
@@ -77,16 +77,8 @@ class LazyDataset:
         return out, max(at, start)
 
     def _example(self, line, path, offset):
-        import json
-
         where = f"{path} (line at byte {offset})"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-        ex = self.builder(row, where)
+        ex = self.builder(parse_json_line(line, where), where)
         ex["id"] = offset
         return ex
 

@@ -57,19 +57,23 @@ def split_files(root, split):
     return sorted(glob.glob(os.path.join(root, split, "*.json")) + glob.glob(os.path.join(root, split, "*.jsonl")))
 
 
+def parse_json_line(line, where):
+    """One JSON-lines row as a dict; DataError naming `where` (file:line) otherwise."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+    return row
+
+
 def read_json_lines(path):
     """Yield (line_number, dict) for each non-empty line; a malformed line raises DataError."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            yield lineno, row
+            if line.strip():
+                yield lineno, parse_json_line(line, f"{path}:{lineno}")
 
 
 def messages_of(row, where, template):
