@@ -95,3 +95,25 @@ def test_data_parallel_launch_rank0_writes(tmp_path):
     log = [l for l in open(out / "train_log.jsonl")]
     assert len([l for l in log if '"loss"' in l]) == 3     # one writer: no duplicated lines
     assert os.path.exists(out / "config.json")
+
+
+def test_lora_under_data_parallel_launch(tmp_path):
+    """LoRA (adapter-only training and output) with 2 launched ranks: the adapter is written once,
+    by rank 0, and torch peft loads it onto the transformers base."""
+    from conftest import launch
+
+    out = tmp_path / "out"
+    lora = os.path.join(ROOT, "llm", "llama", "lora_argument.json")
+    r = launch([SCRIPT, lora, "--output_dir", str(out), "--max_steps", "2"] + QUICK[2:], nproc=2,
+               log_dir=tmp_path / "log")
+    logs = {k: open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)}
+    assert r.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
+    assert "data-parallel ranks = 2" in logs[0] and "trainable params:" in logs[0]
+    assert os.path.exists(out / "adapter_config.json") and not os.path.exists(out / "model.safetensors")
+    import peft
+    import transformers
+    from paddletune.models import resolve_model_path
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("paddletune/tiny-llama"))
+    model = peft.PeftModel.from_pretrained(base, str(out))
+    assert any("lora_B" in n and float(p.abs().sum()) > 0 for n, p in model.named_parameters())
