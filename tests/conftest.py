@@ -102,6 +102,18 @@ def training_args(output_dir, **kw):
     return TrainingArguments(**base)
 
 
+def load_script(relpath):
+    """Import a script of this checkout (e.g. "llm/finetune_generation.py") as a module, to call
+    its main() in-process."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(relpath))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_script(args, cwd=ROOT, env=None, timeout=600):
     """Run a python command line in a subprocess; returns CompletedProcess (text). `env` replaces
     the environment when given (the checkout is always put first on PYTHONPATH)."""

@@ -1,19 +1,15 @@
 """llm/chatglm2/*_argument.json run end to end on the built-in tiny ChatGLM2 (a few steps), and
 tools/make_tiny_checkpoint.py is deterministic."""
-import importlib.util
 import json
 import os
 
 import numpy as np
 
-from conftest import ROOT, run_script
+from conftest import ROOT, load_script, run_script
 
 
 def test_make_tiny_checkpoint_is_deterministic(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny", os.path.join(ROOT, "tools", "make_tiny_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/make_tiny_checkpoint.py")
     outs = [str(tmp_path / f"t{i}") for i in range(3)]
     for out, seed in zip(outs, (0, 0, 1)):
         assert tool.main(["--model_type", "chatglm", "--output", out, "--seed", str(seed)]) == 0

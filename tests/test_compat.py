@@ -3,13 +3,12 @@ of ../shared/paddlenlp_argument_files) runs 2 steps on a tiny model, changing on
 folder's README allows: model/dataset/output paths, step budget, lengths, batch sizes and parallel
 degrees. Files whose features are not built yet are expected to fail (strict), naming the issue
 that owns them, so the test turns green feature by feature."""
-import importlib.util
 import json
 import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 FILES = os.path.join(ROOT, "tests", "data", "paddlenlp_argument_files")
 TINY = {"llama": "paddletune/tiny-llama", "chatglm2": "paddletune/tiny-chatglm2"}
@@ -32,13 +31,6 @@ def cases():
     return out
 
 
-def finetune_main():
-    spec = importlib.util.spec_from_file_location("finetune_generation", os.path.join(ROOT, "llm", "finetune_generation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
-
 @pytest.mark.parametrize("rel", cases())
 def test_paddlenlp_file_runs_two_steps(rel, tmp_path):
     path = os.path.join(FILES, rel)
@@ -52,7 +44,7 @@ def test_paddlenlp_file_runs_two_steps(rel, tmp_path):
             changes[key] = 1
     assert set(changes) <= ALLOWED
     argv = [path] + [f"--{k}={v}" for k, v in changes.items()]
-    code = finetune_main()(argv)
+    code = load_script("llm/finetune_generation.py").main(argv)
     assert code == 0
     log = [json.loads(l) for l in open(tmp_path / "out" / "train_log.jsonl")]
     assert [e["step"] for e in log if "loss" in e] == [1, 2]

@@ -1,7 +1,6 @@
 """tools/convert_checkpoint.py: pickled checkpoints written here by torch and by paddle are
 converted and compared with independent references (transformers' GLM logits, the files
 transformers itself wrote, PEFT's LoRA forward, the exact source parameters)."""
-import importlib.util
 import json
 import os
 
@@ -10,16 +9,13 @@ import paddle
 import pytest
 import torch
 
-from conftest import ROOT, rel_err, run_script
+from conftest import load_script, rel_err, run_script
 from test_chatglm2 import VOCAB, glm_checkpoint
 
 from paddletune.models import build_model, get_spec, hf, load_model
 from paddletune.models.hf import SafetensorsFile
 
-_spec = importlib.util.spec_from_file_location(
-    "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
-convert = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert)
+convert = load_script("tools/convert_checkpoint.py")
 
 
 def thudm_bin_dir(src_dir, out_dir, shards=2, dtype=torch.float32, code=None):

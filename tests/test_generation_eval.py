@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import load_script, write_jsonl
 
 from paddletune.args import ArgumentError, parse_args
 from paddletune.trainer.metrics import generation_metrics, split_source_target
@@ -37,13 +37,8 @@ def test_split_source_target():
 
 
 def test_finetune_with_generation_eval_reaches_exact_answers(setup, tmp_path):
-    import importlib.util
-
     ckpt, data, rows = setup
-    spec = importlib.util.spec_from_file_location(
-        "finetune_generation", os.path.join(os.path.dirname(__file__), "..", "llm", "finetune_generation.py"))
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    ft = load_script("llm/finetune_generation.py")
     out = str(tmp_path / "out")
     rc = ft.main(["--model_name_or_path", ckpt, "--dataset_name_or_path", data, "--output_dir", out,
                   "--do_train", "true", "--do_eval", "true", "--max_steps", "60",
@@ -92,13 +87,8 @@ def test_generation_argument_errors(extra, msg):
 def test_generation_eval_with_peft_methods(setup, tmp_path, method):
     """Generation eval runs on the PEFT-wrapped model (LoRA layers / prefix encoder) and the
     logged scores are those of the saved outputs."""
-    import importlib.util
-
     ckpt, data, rows = setup
-    spec = importlib.util.spec_from_file_location(
-        "finetune_generation", os.path.join(os.path.dirname(__file__), "..", "llm", "finetune_generation.py"))
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    ft = load_script("llm/finetune_generation.py")
     out = str(tmp_path / "out")
     rc = ft.main(["--model_name_or_path", ckpt, "--dataset_name_or_path", data, "--output_dir", out,
                   "--do_train", "true", "--do_eval", "true", "--max_steps", "5", "--learning_rate", "0.01",

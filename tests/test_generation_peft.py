@@ -6,7 +6,7 @@ Oracles: torch peft's generate (LoRA); for prefixes a greedy loop of full torch-
 set ... ignoring past_key_values'), and our own uncached recomputation."""
 import pytest
 import torch
-from conftest import hf_checkpoint, rel_err, write_jsonl
+from conftest import hf_checkpoint, load_script, rel_err, write_jsonl
 
 import paddletune
 from paddletune import peft
@@ -63,12 +63,9 @@ def test_lora_unmerged_merged_and_merged_checkpoint_equal_torch_peft(lora_setup)
 
 
 def test_pipeline_and_predictor_with_lora(lora_setup, tmp_path):
-    import importlib.util
     import io
     import json
-    import os
 
-    from conftest import ROOT
 
     path, adapter, pm, _ = lora_setup
     pipe = paddletune.pipeline("text-generation", model=path, lora=adapter, max_new_tokens=8)
@@ -79,9 +76,7 @@ def test_pipeline_and_predictor_with_lora(lora_setup, tmp_path):
     expected = expected[:expected.index(eos) + 1] if eos in expected else expected
     want = pipe.tokenizer.decode([t for t in expected if t != eos], skip_special_tokens=True)
     assert pipe(text, return_full_text=False)[0]["generated_text"] == want
-    spec = importlib.util.spec_from_file_location("pred", os.path.join(ROOT, "llm", "predictor.py"))
-    pred = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pred)
+    pred = load_script("llm/predictor.py")
     data = write_jsonl(str(tmp_path / "d.json"), [{"src": text, "tgt": ""}])
     out = io.StringIO()
     assert pred.main(["--model_name_or_path", path, "--lora_path", adapter, "--data_file", data,

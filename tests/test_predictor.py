@@ -1,7 +1,6 @@
 """llm/predictor.py against transformers (its chat-template rendering + greedy generate) on the
 same checkpoint: batch mode with the checkpoint's template, a built-in template, no template,
 multi-round src, src_length; --chat driven through stdin; errors before the model is loaded."""
-import importlib.util
 import io
 import json
 import os
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, hf_checkpoint, write_jsonl
+from conftest import ROOT, hf_checkpoint, load_script, write_jsonl
 
 from paddletune.data.chat_template import BUILTIN_TEMPLATES
 
@@ -23,10 +22,7 @@ N = 10
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("predictor_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("llm/predictor.py")
 
 
 predictor = _load_script()

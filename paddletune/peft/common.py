@@ -110,12 +110,21 @@ def save_own(model, out_dir, peft_type, config, state, tokenizer=None):
     return out_dir
 
 
+def read_config(path, config_name, peft_type, what):
+    """The JSON config of an adapter directory, after checking the directory exists and its
+    peft_type is `peft_type`; errors name the file and what it should hold."""
+    where = os.path.join(path, config_name)
+    if not os.path.isdir(path):
+        raise ValueError(f"{what} directory not found: {path}")
+    conf = read_json(where, f"{what} config ({config_name})")
+    if conf.get("peft_type") != peft_type:
+        raise ValueError(f"{where}: peft_type is {conf.get('peft_type')!r}; a {what} has {peft_type!r}")
+    return conf
+
+
 def read_own(model, path, peft_type):
     """(config, {paddle name: np.ndarray paddle layout}) of an own-format adapter directory."""
-    conf = read_json(os.path.join(path, OWN_CONFIG), "adapter config")
-    if conf.get("peft_type") != peft_type:
-        raise ValueError(f"{path}/{OWN_CONFIG}: peft_type is {conf.get('peft_type')!r}, expected "
-                         f"{peft_type!r}")
+    conf = read_config(path, OWN_CONFIG, peft_type, "adapter")
     st = hf.SafetensorsFile(os.path.join(path, OWN_WEIGHTS))
     return conf, {k: hf.to_paddle_layout(model.spec, k, st.get(k)) for k in st.keys()}
 

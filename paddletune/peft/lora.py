@@ -25,10 +25,10 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from ..io import publish_into, read_json, write_json
+from ..io import publish_into, write_json
 from ..models import hf
 from .common import (base_name_for_config, freeze, get_module, linear_dims, match_modules,
-                     replace_module)
+                     read_config, replace_module)
 
 logger = logging.getLogger("paddletune")
 CONFIG = "adapter_config.json"
@@ -172,11 +172,7 @@ def read(path):
     """(config, {module name: (A [r, in], B [out, r])} in torch layout, raw {key: array}) of an
     HF-PEFT LoRA directory, validated; nothing is loaded into a model here."""
     where = os.path.join(path, CONFIG)
-    if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter directory not found: {path}")
-    conf = read_json(where, "LoRA adapter config (adapter_config.json)")
-    if conf.get("peft_type") != "LORA":
-        raise ValueError(f"{where}: peft_type is {conf.get('peft_type')!r}; a LoRA adapter has 'LORA'")
+    conf = read_config(path, CONFIG, "LORA", "LoRA adapter")
     unsupported = [(k, v) for k, v in (("use_dora", conf.get("use_dora")),
                                        ("rank_pattern", conf.get("rank_pattern")),
                                        ("alpha_pattern", conf.get("alpha_pattern")),

@@ -26,10 +26,10 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 
-from ..io import publish_into, read_json, write_json
+from ..io import publish_into, write_json
 from ..models import hf
 from ..models.cache import PrefixCache
-from .common import base_name_for_config, freeze
+from .common import base_name_for_config, freeze, read_config
 
 logger = logging.getLogger("paddletune")
 CONFIG = "adapter_config.json"
@@ -130,11 +130,7 @@ def save(model, out_dir, base_model_name_or_path=None, tokenizer=None):
 def read(model, path):
     """(config, keys, values [L, K, P, D]) of a saved prefix, checked against this model."""
     where = os.path.join(path, CONFIG)
-    if not os.path.isdir(path):
-        raise ValueError(f"prefix directory not found: {path}")
-    conf = read_json(where, "prefix config (adapter_config.json)")
-    if conf.get("peft_type") != "PREFIX_TUNING":
-        raise ValueError(f"{where}: peft_type is {conf.get('peft_type')!r}; a prefix has 'PREFIX_TUNING'")
+    conf = read_config(path, CONFIG, "PREFIX_TUNING", "prefix")
     if conf.get("prefix_projection"):
         raise ValueError(f"{where}: prefix_projection is true, so the file holds the MLP input, "
                          "not the prefixes; save with torch peft's inference mode or re-export it")
