@@ -19,6 +19,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "  pip install -e .[gpu]    # NVIDIA GPU: paddlepaddle-gpu"
     ) from e
 
+_runtime.prefer_copies()  # strided views off on CPU builds (see runtime.prefer_copies)
+
 __version__ = "0.1.0"
 
 

@@ -122,6 +122,23 @@ def reuse_freed_memory():
     logger.info("malloc: %s", _CHOICES["malloc"])
 
 
+def prefer_copies():
+    """Turn off paddle's strided views (FLAGS_use_stride_kernel) on CPU-only builds, unless the user
+    set that flag. With views on, transpose/slice return strided tensors, and the next matmul or
+    reshape makes them contiguous with paddle's generic strided-copy kernel: the attention of the
+    DESIGN.md section 5 Llama (q/k/v transposed to [B, heads, S, D]) took 40 ms fwd + bwd per layer
+    instead of 16, the LoRA step 0.50 -> 0.41 s (benchmarks/README.md). Copies cost memory only for
+    a moment. Set here, at import (paddle.set_flags, not the environment: child processes such as
+    other libraries' benchmark peers keep paddle's default)."""
+    import paddle
+
+    if "FLAGS_use_stride_kernel" in os.environ:
+        _CHOICES["strided views"] = os.environ["FLAGS_use_stride_kernel"] + " (user)"
+    elif not paddle.is_compiled_with_cuda():
+        paddle.set_flags({"FLAGS_use_stride_kernel": False})
+        _CHOICES["strided views"] = "off"
+
+
 class _BannerFilter:
     """stderr wrapper dropping paddle's import-time OMP_NUM_THREADS banner (we log the choice)."""
 

@@ -62,3 +62,20 @@ def test_choice_is_logged_by_the_finetune_script(tmp_path):
                    env=clean_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert "CPU runtime: OMP_NUM_THREADS=" in r.stdout
+
+
+STRIDE_PROBE = ("import paddletune, paddle; x = paddle.ones([2, 3]); "
+                "print(paddle.get_flags(['FLAGS_use_stride_kernel'])['FLAGS_use_stride_kernel'], x.T.is_contiguous())")
+
+
+def test_strided_views_off_unless_the_user_sets_the_flag():
+    """CPU builds: paddletune turns paddle's strided views off (a transpose is then a contiguous
+    copy, which paddle's CPU matmul reads fast); an explicit FLAGS_use_stride_kernel wins, and the
+    environment is left untouched so child processes keep paddle's default."""
+    env = {k: v for k, v in os.environ.items() if k != "FLAGS_use_stride_kernel"}
+    r = run_script(["-c", STRIDE_PROBE + "; import os; print(os.environ.get('FLAGS_use_stride_kernel'))"], env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-3:] == ["False", "True", "None"]
+    r = run_script(["-c", STRIDE_PROBE], env=dict(env, FLAGS_use_stride_kernel="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["True", "False"]

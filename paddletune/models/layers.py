@@ -11,7 +11,8 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle import _C_ops
+
+from .linear_ce import LinearCrossEntropy  # noqa: F401  (the chunked training loss)
 
 _NEG = {"float32": -1e9, "float64": -1e9, "bfloat16": -1e9, "float16": -6e4}
 
@@ -317,59 +318,6 @@ def causal_lm_loss(hidden, labels, head, head_weight=None):
     logits = head(h_sel).astype("float32")
     loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
     return loss_sum, n, logits, t_sel
-
-
-class LinearCrossEntropy(paddle.autograd.PyLayer):
-    """sum_i CE(h_i W, t_i) without materialising the [n, V] logits (training only).
-
-    h [n, H], W [H, V] (or [V, H] with transposed=True, a tied embedding), t [n] -> scalar.
-    Forward walks `rows` rows at a time: logits_c = h_c W, (loss_c, p_c) = softmax CE, and since
-    the loss is a sum, its gradients are already known up to the upstream scalar g:
-        dL/dlogits_c = p_c - onehot(t_c),  dh_c = (p_c - onehot) W^T,  dW += h_c^T (p_c - onehot)
-    so backward only multiplies the stored dh (and dW when W is trainable) by g. Same FLOPs as
-    autograd (dW is skipped for a frozen head, as under LoRA), but peak memory holds one [rows, V]
-    block instead of logits + softmax + their gradient ([n, V] each: 131 MB at n=1024, V=32000),
-    and no huge buffer is allocated (and page-faulted) anew every step."""
-
-    # rows per chunk = this / V: 250 rows at V=32000 (32 MB of float32 logits, just under glibc's
-    # largest mmap threshold so the block is reused, not page-faulted anew); paddle's CPU matmul
-    # runs [128, 256] x [256, 32000] 1.7x slower than 256+ rows, so chunks are not made smaller
-    BLOCK_ELEMENTS = 8_000_000
-
-    @staticmethod
-    def forward(ctx, h, w, t, transposed):
-        V = w.shape[0] if transposed else w.shape[1]
-        rows = max(1, LinearCrossEntropy.BLOCK_ELEMENTS // V)
-        want_dh, want_dw = not h.stop_gradient, not w.stop_gradient
-        with paddle.no_grad():
-            loss = paddle.zeros([], "float32")
-            dh = []
-            dw = paddle.zeros(w.shape, "float32") if want_dw else None
-            for i in range(0, h.shape[0], rows):
-                hc, tc = h[i:i + rows], t[i:i + rows]
-                logits = paddle.matmul(hc, w, transpose_y=transposed).astype("float32")
-                p, lc = _C_ops.cross_entropy_with_softmax(logits, tc.unsqueeze(-1), False, True, True, -100, -1)
-                loss = loss + lc.sum()
-                # (p - onehot) W^T = p W^T - (rows of W^T at the targets): no onehot is built
-                if want_dh:
-                    w_t = paddle.gather(w, tc, axis=0) if transposed else paddle.gather(w, tc, axis=1).T
-                    dh.append(paddle.matmul(p.astype(w.dtype), w, transpose_y=not transposed) - w_t)
-                if want_dw:
-                    h32 = hc.astype("float32")
-                    if transposed:   # dW [V, H] += p^T h - scatter(h into target rows)
-                        dw = paddle.index_add(dw + paddle.matmul(p, h32, transpose_x=True), tc, 0, -h32)
-                    else:            # dW [H, V] += h^T p - scatter(h into target columns)
-                        dw = paddle.index_add(dw + paddle.matmul(h32, p, transpose_x=True), tc, 1, -h32.T)
-        ctx.dh = paddle.concat(dh) if want_dh else None
-        ctx.dw = dw
-        ctx.dtypes = (h.dtype, w.dtype)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        dh = (ctx.dh * g).astype(ctx.dtypes[0]) if ctx.dh is not None else None
-        dw = (ctx.dw * g).astype(ctx.dtypes[1]) if ctx.dw is not None else None
-        return dh, dw
 
 
 def init_weights(model, std=0.02, seed=0):
