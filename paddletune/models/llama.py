@@ -9,6 +9,7 @@ is the identity; hf.py only transposes Linear weights ([in, out] here, [out, in]
 Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan (parallel/).
 """
 import copy
+import math
 from dataclasses import dataclass, field
 
 import paddle
@@ -122,11 +123,11 @@ class LlamaAttention(nn.Layer):
         q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
         k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
         v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
-        q, k = rope.apply(q), rope.apply(k)
+        q, k = rope.apply(q, 1.0 / math.sqrt(self.head_dim)), rope.apply(k)   # q carries the score scale
         q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # [B, heads, S, D]
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, bias, self.dropout, self.training)
+        out = attention(q, k, v, bias, self.dropout, self.training, scale=1.0)
         return self.o_proj(out)
 
 
