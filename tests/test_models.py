@@ -91,6 +91,31 @@ def test_kv_cache_incremental_equals_full(tiny_llama):
     assert rel_err(np.concatenate(steps, axis=1), full) <= 1e-5
 
 
+def test_dynamic_ntk_with_cache_equals_transformers_cache(tmp_path):
+    """Dynamic NTK rope decoded through the KV cache past max_position_embeddings (16): each step
+    rescales the frequencies for the new token while cached keys keep the rotation they got, as
+    transformers does with its cache. Oracle: transformers token by token with past_key_values;
+    a full forward over all 30 tokens (one rescaling for every position) must differ from both."""
+    path, ref_model = hf_checkpoint(tmp_path / "ck", "llama", max_position_embeddings=16,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    ids = ids_for(30, batch=2, seed=4)
+    model = load_model(path)
+    cache = KVCache.for_model(model, batch_size=2, max_length=32)
+    ours = [model(paddle.to_tensor(ids[:, :10]), cache=cache).logits.numpy()]
+    with torch.no_grad():
+        out = ref_model(torch.tensor(ids[:, :10]), use_cache=True)
+        ref, past = [out.logits.numpy()], out.past_key_values
+        for t in range(10, 30):
+            ours.append(model(paddle.to_tensor(ids[:, t:t + 1]), cache=cache).logits.numpy())
+            out = ref_model(torch.tensor(ids[:, t:t + 1]), past_key_values=past, use_cache=True)
+            ref.append(out.logits.numpy())
+            past = out.past_key_values
+    ours, ref = np.concatenate(ours, axis=1), np.concatenate(ref, axis=1)
+    assert rel_err(ours, ref) <= 1e-4
+    full = model(paddle.to_tensor(ids)).logits.numpy()
+    assert rel_err(full[:, 16:], ref[:, 16:]) > 1e-3   # the cached path really differs here
+
+
 def test_build_model_random_init_is_deterministic():
     cfg = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 1, "num_attention_heads": 4}
