@@ -174,7 +174,8 @@ def check(a):
 
 def chat_loop(a, model, tok, cfg, stdin, stdout):
     """One user message per line; answers on one line each. Returns (new tokens, seconds)."""
-    from paddletune.generation import encode_prompt, generate
+    from paddletune.generation import generate
+    from paddletune.text_generation import encode_prompt
 
     history, tokens, seconds = [], 0, 0.0
     if stdin.isatty():
@@ -200,7 +201,8 @@ def chat_loop(a, model, tok, cfg, stdin, stdout):
 
 def predict(a, model, tok, cfg, rows):
     """Generate for every row, batch_size at a time. Returns (records, new tokens, seconds)."""
-    from paddletune.generation import encode_prompt, generate
+    from paddletune.generation import generate
+    from paddletune.text_generation import encode_prompt
 
     use_template = tok.template is not None
     records, tokens, seconds = [], 0, 0.0

@@ -37,6 +37,6 @@ def load_tokenizer(*args, **kwargs):
 
 
 def pipeline(*args, **kwargs):
-    from .generation import pipeline as _pipeline
+    from .text_generation import pipeline as _pipeline
 
     return _pipeline(*args, **kwargs)

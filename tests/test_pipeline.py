@@ -8,7 +8,7 @@ import torch
 from conftest import hf_checkpoint
 
 import paddletune
-from paddletune.generation import TextGenerationPipeline
+from paddletune.text_generation import TextGenerationPipeline
 
 PROMPTS = ["Reverse the words: apple river", "Sort the numbers: 3 1 2", "hello"]
 
