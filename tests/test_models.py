@@ -144,12 +144,19 @@ def test_python_api(tiny_llama):
     assert paddletune.__version__
 
 
+@pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("tied,frozen_head", [(False, False), (True, False), (False, True)])
-def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, monkeypatch):
+def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, kernels_on, monkeypatch):
     """Training mode computes the head + CE chunk by chunk (LinearCrossEntropy, gradients formed
-    in the forward pass); loss and every gradient equal the eval-mode path through full logits."""
+    in the forward pass); loss and every gradient equal the eval-mode path through full logits,
+    with paddletune's CPU kernels (cross-entropy, masked softmax) and with paddle's ops only."""
+    from paddletune import kernels
     from paddletune.models import layers
 
+    if not kernels_on:
+        monkeypatch.setitem(kernels._STATE, "ops", None)
+    else:
+        assert kernels.cpu_ops() is not None
     monkeypatch.setattr(layers.LinearCrossEntropy, "BLOCK_ELEMENTS", 600 * 5)   # 5-row chunks
     path, _ = hf_checkpoint(tmp_path / "ck", "qwen2" if tied else "llama", tie_word_embeddings=tied)
     ids = ids_for(14, batch=3)

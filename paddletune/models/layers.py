@@ -12,6 +12,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .. import kernels
 from .linear_ce import LinearCrossEntropy  # noqa: F401  (the chunked training loss)
 
 _NEG = {"float32": -1e9, "float64": -1e9, "bfloat16": -1e9, "float16": -6e4}
@@ -297,11 +298,17 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if scale != 1.0:
         scores = scores * scale
-    if bias is not None:   # bool [B|1, 1, S, T], True = blocked
-        neg = _NEG[str(scores.dtype).replace("paddle.", "")]
-        scores = paddle.masked_fill(scores.reshape([B, K, g, S, T]), bias.unsqueeze(1), neg)
-        scores = scores.reshape([B, K, g * S, T])
-    probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
+    probs = None
+    if bias is not None:   # bool [B|1, 1, S, T], True = blocked; one pass on the CPU kernels
+        probs = kernels.masked_softmax(scores.reshape([B, N, S, T]), bias)
+    if probs is not None:
+        probs = probs.reshape([B, K, g * S, T])
+    else:
+        if bias is not None:
+            neg = _NEG[str(scores.dtype).replace("paddle.", "")]
+            scores = paddle.masked_fill(scores.reshape([B, K, g, S, T]), bias.unsqueeze(1), neg)
+            scores = scores.reshape([B, K, g * S, T])
+        probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
     if dropout > 0 and training:
         probs = F.dropout(probs, dropout, training=True)
     out = paddle.matmul(probs, v)                                          # [B, K, g*S, D]

@@ -11,6 +11,8 @@ instead of logits + softmax + their gradients ([n, V] each: 131 MB at n=1024, V=
 import paddle
 from paddle import _C_ops
 
+from .. import kernels
+
 
 def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
     """(loss sum, [dh per span], dW or None) for the row spans [(lo, hi)], in order."""
@@ -18,11 +20,15 @@ def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
     for lo, hi in spans:
         hc, tc = h[lo:hi], t[lo:hi]
         logits = paddle.matmul(hc, w, transpose_y=transposed).astype("float32")
-        p, lc = _C_ops.cross_entropy_with_softmax(logits, tc.unsqueeze(-1), False, True, True, -100, -1)
+        fused = kernels.softmax_xent(logits, tc)   # (loss rows, p - onehot) in one pass, or None
+        if fused is not None:
+            lc, p = fused
+        else:
+            p, lc = _C_ops.cross_entropy_with_softmax(logits, tc.unsqueeze(-1), False, True, True, -100, -1)
+            # p - onehot(t) in place: both gradients below are then plain products
+            p.put_along_axis_(tc.unsqueeze(-1), paddle.full([hi - lo, 1], -1.0, p.dtype), 1, "add")
         del logits
         loss = lc.sum() if loss is None else loss + lc.sum()
-        # p - onehot(t) in place: both gradients below are then plain products
-        p.put_along_axis_(tc.unsqueeze(-1), paddle.full([hi - lo, 1], -1.0, p.dtype), 1, "add")
         if want_dh:
             dh.append(paddle.matmul(p.astype(w.dtype), w, transpose_y=not transposed))
         if want_dw:

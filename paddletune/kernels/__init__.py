@@ -1,0 +1,211 @@
+"""Optional CPU kernels (cpu_kernels.cc), compiled with the system C++ compiler on first use.
+
+    ops = cpu_ops()       # the compiled module, or None: callers then use paddle's own kernels
+    loss, grad = ops.pt_softmax_xent(logits, targets)                  # [n], [n, V]
+    probs = ops.pt_masked_softmax(scores, mask)                        # [B, H, S, T]
+    dscores = ops.pt_masked_softmax_bwd(probs, dprobs, mask)
+
+Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
+passes; on the DESIGN.md section 5 LoRA step the loss alone took ~45 ms of ~400 (these: ~13).
+Built through paddle.utils.cpp_extension into $PADDLETUNE_HOME/kernels/<key> (key = hash of the
+source, paddle version, compiler flags and CPU, since -march=native code is CPU-specific), under
+a file lock so launched ranks build once; later processes load the built library (~1 s).
+Linked to paddle's libiomp5 so their OpenMP threads are the ones MKL already runs.
+
+Off (paddle's kernels, same results to float32 rounding) when: PADDLETUNE_KERNELS=0, a CUDA build
+of paddle, no C++ compiler, or the build fails (the reason is logged once).
+"""
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+
+from .. import runtime
+
+logger = logging.getLogger("paddletune")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd")
+_STATE = {}
+
+
+def _why_not():
+    import paddle
+
+    if os.environ.get("PADDLETUNE_KERNELS", "1") == "0":
+        return "PADDLETUNE_KERNELS=0"
+    if paddle.is_compiled_with_cuda():
+        return "CUDA build of paddle (these kernels are CPU-only)"
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"{sys.platform}/{platform.machine()}: only Linux x86-64 is supported"
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return "no C++ compiler (install g++)"
+    if not os.path.exists(os.path.join(os.path.dirname(paddle.__file__), "libs", "libiomp5.so")):
+        return "paddle has no libiomp5 (not an MKL build)"
+    return None
+
+
+def _cpu_id():
+    try:
+        with open("/proc/cpuinfo") as f:
+            keep = [l for l in f if l.startswith(("model name", "flags"))][:2]
+        return "".join(keep)
+    except OSError:
+        return platform.processor()
+
+
+def _build():
+    import fcntl
+
+    import paddle
+    from paddle.utils.cpp_extension import load
+
+    libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
+    ldflags = [f"-L{libs}", "-liomp5", f"-Wl,-rpath,{libs}"]
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(b"\0".join([src, paddle.__version__.encode(), " ".join(CFLAGS + ldflags).encode(),
+                                     _cpu_id().encode(), sys.version.encode()])).hexdigest()[:12]
+    home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
+    build_dir = os.path.join(home, "kernels", key)
+    name = f"paddletune_cpu_{key}"
+    done = os.path.join(build_dir, "built.ok")   # written after a complete build and load
+    mod = _load_built(name, os.path.join(build_dir, name)) if os.path.exists(done) else None
+    if mod is not None:
+        return mod
+    os.makedirs(build_dir, exist_ok=True)
+    with open(build_dir + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one build per key, however many ranks start at once
+        try:
+            with _quiet_build():
+                mod = load(name=name, sources=[SOURCE], extra_cxx_cflags=CFLAGS,
+                           extra_ldflags=ldflags, build_directory=build_dir, verbose=False)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    # paddle registers a library's ops once per process; a second load returns an empty module
+    missing = [n for n in OPS if not hasattr(mod, n)]
+    if missing:
+        raise RuntimeError(f"the built library lacks {missing} (loaded twice in one process?)")
+    with open(done, "w") as f:
+        f.write(name + "\n")
+    return mod
+
+
+def _load_built(name, directory):
+    """The already built library without paddle's ~1 s rebuild check (a setup.py run in a child
+    process); None if that private helper is missing or fails, and the normal path runs."""
+    try:
+        from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+        with _quiet_build():
+            mod = _import_module_from_library(name, directory, False)
+        return mod if all(hasattr(mod, n) for n in OPS) else None
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_build():
+    """cpp_extension compiles in a child process that writes to our stdout/stderr file
+    descriptors and logs every step at INFO: both go to a temp file while it runs (its tail
+    becomes the error message when the build fails)."""
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    previous = logging.root.manager.disable
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        logging.disable(logging.INFO)
+        try:
+            yield
+        except Exception as e:
+            sink.seek(0)
+            tail = [l for l in sink.read().splitlines() if "error" in l.lower()][-3:]
+            raise RuntimeError("; ".join(tail) or str(e)) from e
+        finally:
+            logging.disable(previous)
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def cpu_ops():
+    """The compiled kernels module, or None (the reason is logged once)."""
+    if "ops" in _STATE:
+        return _STATE["ops"]
+    ops, reason = None, _why_not()
+    if reason is None:
+        try:
+            ops = _build()
+        except Exception as e:   # a failed build must never stop training: paddle's kernels remain
+            reason = f"build failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
+    _STATE["ops"] = ops
+    runtime._CHOICES["cpu kernels"] = "on" if ops is not None else "off"
+    if reason:
+        logger.info("CPU kernels: off (%s); paddle's kernels are used", reason)
+    return ops
+
+
+def _masked_softmax_layer():
+    import paddle
+
+    class MaskedSoftmax(paddle.autograd.PyLayer):
+        """softmax(masked_fill(scores, mask, -1e9), -1) with its gradient, on the kernels above."""
+
+        @staticmethod
+        def forward(ctx, scores, mask):
+            probs = cpu_ops().pt_masked_softmax(scores, mask)
+            ctx.save_for_backward(probs, mask)
+            return probs
+
+        @staticmethod
+        def backward(ctx, dprobs):
+            probs, mask = ctx.saved_tensor()
+            return cpu_ops().pt_masked_softmax_bwd(probs, dprobs, mask)
+
+    return MaskedSoftmax
+
+
+def masked_softmax(scores, mask):
+    """Kernel path for softmax(masked_fill(scores, mask, -1e9), -1): scores [B, H, S, T] float32
+    on CPU, mask bool [B or 1, 1, S, T]; None when the kernels are off or the inputs do not fit
+    (the caller then runs paddle's ops)."""
+    if (scores.dtype != _float32() or mask.dtype != _bool() or not scores.place.is_cpu_place()
+            or len(scores.shape) != 4 or len(mask.shape) != 4 or mask.shape[1] != 1
+            or mask.shape[2:] != scores.shape[2:] or mask.shape[0] not in (1, scores.shape[0])):
+        return None
+    if cpu_ops() is None:
+        return None
+    if "layer" not in _STATE:
+        _STATE["layer"] = _masked_softmax_layer()
+    return _STATE["layer"].apply(scores, mask)
+
+
+def softmax_xent(logits, targets):
+    """Kernel path for (per-row cross-entropy [n], softmax - onehot [n, V]) of float32 CPU logits
+    [n, V] and int64 targets [n] (all labelled); None when unavailable (use paddle's ops)."""
+    if logits.dtype != _float32() or not logits.place.is_cpu_place() or len(logits.shape) != 2:
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    return ops.pt_softmax_xent(logits, targets.astype("int64"))
+
+
+def _float32():
+    import paddle
+
+    return paddle.float32
+
+
+def _bool():
+    import paddle
+
+    return paddle.bool

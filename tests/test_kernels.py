@@ -1,0 +1,78 @@
+"""paddletune's CPU kernels (paddletune/kernels) against independent references: the exact
+cross-entropy in float64 numpy, and paddle's own ops / autograd for the logits gradient and the
+masked softmax forward and backward; large logits, fully masked rows, a per-batch and a shared
+mask, and NaN propagation."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from paddletune import kernels
+
+
+def test_kernels_build_on_this_machine():
+    """The machines this project runs on have g++: the kernels must be on (otherwise every speed
+    number in benchmarks/README.md is off by the difference)."""
+    assert kernels._why_not() is None   # (cpu_ops() loads once per process: no reload here)
+    assert kernels.cpu_ops() is not None
+
+
+@pytest.mark.parametrize("scale", [1.0, 16.0])
+def test_softmax_xent_equals_paddle(scale):
+    rng = np.random.default_rng(0)
+    logits = paddle.to_tensor((rng.standard_normal((37, 1003)) * scale).astype(np.float32))
+    targets = paddle.to_tensor(rng.integers(0, 1003, 37))
+    loss, grad = kernels.softmax_xent(logits, targets)
+    x64, t = logits.numpy().astype(np.float64), targets.numpy()
+    m = x64.max(-1)
+    exact = m + np.log(np.exp(x64 - m[:, None]).sum(-1)) - x64[np.arange(37), t]
+    np.testing.assert_allclose(loss.numpy(), exact, rtol=2e-6, atol=2e-5)
+    if scale > 8:   # paddle's own cross-entropy saturates near 64 (it clips the probability): no oracle there
+        ref = F.cross_entropy(logits, targets.unsqueeze(-1), reduction="none").numpy()
+        assert ref.max() < 65 and exact.max() > 75
+    ref_grad = F.softmax(logits, -1) - F.one_hot(targets, 1003)
+    np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=1e-6, atol=2e-7)
+    # grad is the autograd gradient of sum(loss) with respect to the logits
+    x = logits.clone()
+    x.stop_gradient = False
+    F.cross_entropy(x, targets.unsqueeze(-1), reduction="sum").backward()
+    np.testing.assert_allclose(grad.numpy(), x.grad.numpy(), rtol=1e-6, atol=2e-7)
+
+
+def test_softmax_xent_propagates_nan():
+    logits = paddle.zeros([3, 50])
+    logits[1, 7] = float("nan")
+    loss, _ = kernels.softmax_xent(logits, paddle.to_tensor([0, 1, 2]))
+    assert np.isnan(loss.numpy()[1]) and np.isfinite(loss.numpy()[[0, 2]]).all()
+
+
+def reference_masked_softmax(scores, mask):
+    return F.softmax(paddle.masked_fill(scores, mask, -1e9), -1)
+
+
+@pytest.mark.parametrize("mask_batch", [1, 3])
+def test_masked_softmax_forward_and_backward_equal_paddle(mask_batch):
+    rng = np.random.default_rng(1)
+    B, H, S, T = 3, 4, 9, 13
+    scores = (rng.standard_normal((B, H, S, T)) * 4).astype(np.float32)
+    blocked = rng.random((mask_batch, 1, S, T)) < 0.4
+    blocked[0, 0, 2, :] = True          # a row with every key blocked: uniform, as masked_fill + softmax
+    dprobs = rng.standard_normal((B, H, S, T)).astype(np.float32)
+    results = []
+    for fn in (kernels.masked_softmax, reference_masked_softmax):
+        x = paddle.to_tensor(scores)
+        x.stop_gradient = False
+        p = fn(x, paddle.to_tensor(blocked))
+        p.backward(paddle.to_tensor(dprobs))
+        results.append((p.numpy(), x.grad.numpy()))
+    (p, g), (p_ref, g_ref) = results
+    np.testing.assert_allclose(p, p_ref, rtol=0, atol=3e-7)
+    np.testing.assert_allclose(g, g_ref, rtol=0, atol=2e-6)
+    assert np.allclose(p[0, :, 2], 1.0 / T) and (p[np.broadcast_to(blocked, p.shape) & (p_ref == 0)] == 0).all()
+
+
+def test_masked_softmax_declines_what_it_does_not_handle():
+    x = paddle.randn([2, 2, 4, 4])
+    assert kernels.masked_softmax(x, paddle.zeros([2, 1, 4, 4], "float32")) is None   # float mask
+    assert kernels.masked_softmax(x, paddle.zeros([2, 2, 4, 4], "bool")) is None      # per-head mask
+    assert kernels.masked_softmax(x.astype("float64"), paddle.zeros([1, 1, 4, 4], "bool")) is None
