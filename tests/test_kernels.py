@@ -76,3 +76,41 @@ def test_masked_softmax_declines_what_it_does_not_handle():
     assert kernels.masked_softmax(x, paddle.zeros([2, 1, 4, 4], "float32")) is None   # float mask
     assert kernels.masked_softmax(x, paddle.zeros([2, 2, 4, 4], "bool")) is None      # per-head mask
     assert kernels.masked_softmax(x.astype("float64"), paddle.zeros([1, 1, 4, 4], "bool")) is None
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_rms_norm_forward_and_backward_equal_paddle(frozen):
+    """Against paddle's ops: x / sqrt(mean(x^2) + eps) * w and its autograd gradients."""
+    rng = np.random.default_rng(2)
+    x_np = (rng.standard_normal((3, 7, 48)) * 3).astype(np.float32)
+    w_np = rng.standard_normal(48).astype(np.float32)
+    dy = paddle.to_tensor(rng.standard_normal((3, 7, 48)).astype(np.float32))
+    out = []
+    for use_kernel in (True, False):
+        x, w = paddle.to_tensor(x_np), paddle.to_tensor(w_np)
+        x.stop_gradient, w.stop_gradient = False, frozen
+        y = (kernels.rms_norm(x, w, 1e-5) if use_kernel else
+             w * (x * paddle.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)))
+        y.backward(dy)
+        out.append((y.numpy(), x.grad.numpy(), None if frozen else w.grad.numpy()))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = out
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    if not frozen:
+        np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_forward_and_backward_equal_paddle():
+    rng = np.random.default_rng(3)
+    g_np = (rng.standard_normal((5, 33)) * 6).astype(np.float32)   # large |gate|: both sigmoid branches
+    u_np = rng.standard_normal((5, 33)).astype(np.float32)
+    dy = paddle.to_tensor(rng.standard_normal((5, 33)).astype(np.float32))
+    out = []
+    for use_kernel in (True, False):
+        g, u = paddle.to_tensor(g_np), paddle.to_tensor(u_np)
+        g.stop_gradient = u.stop_gradient = False
+        y = kernels.swiglu(g, u) if use_kernel else F.silu(g) * u
+        y.backward(dy)
+        out.append((y.numpy(), g.grad.numpy(), u.grad.numpy()))
+    for a, b in zip(*out):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

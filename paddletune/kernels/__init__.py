@@ -4,6 +4,9 @@
     loss, grad = ops.pt_softmax_xent(logits, targets)                  # [n], [n, V]
     probs = ops.pt_masked_softmax(scores, mask)                        # [B, H, S, T]
     dscores = ops.pt_masked_softmax_bwd(probs, dprobs, mask)
+    y, rstd = ops.pt_rms_norm(x, weight, eps)                          # RMSNorm over the last axis
+    out = ops.pt_swiglu(gate, up)                                      # silu(gate) * up
+(and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu) pick them.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes; on the DESIGN.md section 5 LoRA step the loss alone took ~45 ms of ~400 (these: ~13).
@@ -28,7 +31,8 @@ from .. import runtime
 logger = logging.getLogger("paddletune")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd")
+OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd", "pt_rms_norm", "pt_rms_norm_bwd",
+       "pt_swiglu", "pt_swiglu_bwd")
 _STATE = {}
 
 
@@ -153,11 +157,12 @@ def cpu_ops():
     return ops
 
 
-def _masked_softmax_layer():
+def _layers():
+    """PyLayers over the kernels (built once, when first needed)."""
     import paddle
 
     class MaskedSoftmax(paddle.autograd.PyLayer):
-        """softmax(masked_fill(scores, mask, -1e9), -1) with its gradient, on the kernels above."""
+        """softmax(masked_fill(scores, mask, -1e9), -1)."""
 
         @staticmethod
         def forward(ctx, scores, mask):
@@ -170,7 +175,64 @@ def _masked_softmax_layer():
             probs, mask = ctx.saved_tensor()
             return cpu_ops().pt_masked_softmax_bwd(probs, dprobs, mask)
 
-    return MaskedSoftmax
+    class RmsNorm(paddle.autograd.PyLayer):
+        """weight * x / sqrt(mean(x^2, -1) + eps)."""
+
+        @staticmethod
+        def forward(ctx, x, weight, eps):
+            y, rstd = cpu_ops().pt_rms_norm(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            ctx.want_dw = not weight.stop_gradient
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, rstd = ctx.saved_tensor()
+            dx, dw = cpu_ops().pt_rms_norm_bwd(x, weight, rstd, dy, ctx.want_dw)
+            return dx, (dw if ctx.want_dw else None)
+
+    class Swiglu(paddle.autograd.PyLayer):
+        """silu(gate) * up."""
+
+        @staticmethod
+        def forward(ctx, gate, up):
+            ctx.save_for_backward(gate, up)
+            return cpu_ops().pt_swiglu(gate, up)
+
+        @staticmethod
+        def backward(ctx, dout):
+            gate, up = ctx.saved_tensor()
+            return tuple(cpu_ops().pt_swiglu_bwd(gate, up, dout))
+
+    return {"masked_softmax": MaskedSoftmax, "rms_norm": RmsNorm, "swiglu": Swiglu}
+
+
+def _apply(kind, *args):
+    if "layers" not in _STATE:
+        _STATE["layers"] = _layers()
+    return _STATE["layers"][kind].apply(*args)
+
+
+def _fits(*tensors):
+    """float32 tensors on CPU, and the kernels built."""
+    import paddle
+
+    ok = all(t.dtype == paddle.float32 and t.place.is_cpu_place() for t in tensors)
+    return ok and cpu_ops() is not None
+
+
+def rms_norm(x, weight, eps):
+    """Kernel path for weight * x / sqrt(mean(x^2, -1) + eps) (float32, CPU), else None."""
+    if not _fits(x, weight) or len(weight.shape) != 1 or x.shape[-1] != weight.shape[0]:
+        return None
+    return _apply("rms_norm", x, weight, float(eps))
+
+
+def swiglu(gate, up):
+    """Kernel path for silu(gate) * up (same shapes, float32, CPU), else None."""
+    if gate.shape != up.shape or not _fits(gate, up):
+        return None
+    return _apply("swiglu", gate, up)
 
 
 def masked_softmax(scores, mask):
@@ -183,9 +245,7 @@ def masked_softmax(scores, mask):
         return None
     if cpu_ops() is None:
         return None
-    if "layer" not in _STATE:
-        _STATE["layer"] = _masked_softmax_layer()
-    return _STATE["layer"].apply(scores, mask)
+    return _apply("masked_softmax", scores, mask)
 
 
 def softmax_xent(logits, targets):

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #include <vector>
 
 namespace {
@@ -146,6 +147,122 @@ std::vector<paddle::Tensor> MaskedSoftmaxBwd(const paddle::Tensor& probs, const 
   return {out};
 }
 
+// RMSNorm over the last axis (H): y = w * x * r with r = 1 / sqrt(mean(x^2) + eps) per row.
+// Returns y and r (kept for the backward).
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& w, float eps) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
+           "pt_rms_norm: float32 only");
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  PD_CHECK(x.shape().back() == H, "pt_rms_norm: weight size differs from the last axis");
+  auto y = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto r = paddle::empty({rows}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* yp = y.data<float>();
+  float* rp = r.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xi = xp + i * H;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < H; ++j) ss += xi[j] * xi[j];
+    const float ri = 1.f / std::sqrt(ss / H + eps);
+    rp[i] = ri;
+    float* yi = yp + i * H;
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) yi[j] = wp[j] * (xi[j] * ri);
+  }
+  return {y, r};
+}
+
+// dx = r * (g - x * r^2 * mean(g * x)) with g = dy * w; dw = sum over rows of dy * x * r
+// (per-thread partial sums, added in thread order: deterministic for a fixed thread count).
+std::vector<paddle::Tensor> RmsNormBwd(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& r,
+                                       const paddle::Tensor& dy, bool want_dw) {
+  const int64_t H = w.numel(), rows = x.numel() / H;
+  auto dx = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto dw = paddle::empty({want_dw ? H : 1}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  const float* rp = r.data<float>();
+  const float* dyp = dy.data<float>();
+  float* dxp = dx.data<float>();
+  float* dwp = dw.data<float>();
+  const int threads = omp_get_max_threads();
+  std::vector<float> partial(want_dw ? static_cast<size_t>(threads) * H : 0, 0.f);
+#pragma omp parallel num_threads(threads)
+  {
+    float* acc = want_dw ? partial.data() + static_cast<size_t>(omp_get_thread_num()) * H : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* xi = xp + i * H;
+      const float* di = dyp + i * H;
+      const float ri = rp[i];
+      float c = 0.f;
+#pragma omp simd reduction(+ : c)
+      for (int64_t j = 0; j < H; ++j) c += di[j] * wp[j] * xi[j];
+      const float k = ri * ri * ri * c / H;
+      float* o = dxp + i * H;
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) o[j] = ri * di[j] * wp[j] - xi[j] * k;
+      if (acc) {
+#pragma omp simd
+        for (int64_t j = 0; j < H; ++j) acc[j] += di[j] * xi[j] * ri;
+      }
+    }
+  }
+  if (want_dw) {
+    for (int64_t j = 0; j < H; ++j) dwp[j] = 0.f;
+    for (int t = 0; t < threads; ++t)
+      for (int64_t j = 0; j < H; ++j) dwp[j] += partial[static_cast<size_t>(t) * H + j];
+  } else {
+    dwp[0] = 0.f;
+  }
+  return {dx, dw};
+}
+
+// sigmoid without overflow: exp only of non-positive arguments.
+inline float sigmoid(float v) {
+  float a = v < 0.f ? v : -v;
+  a = a < -80.f ? -80.f : a;
+  const float e = exp_neg(a);
+  return v < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+}
+
+// SwiGLU: out = silu(gate) * up, silu(v) = v * sigmoid(v).
+std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& gate, const paddle::Tensor& up) {
+  PD_CHECK(gate.dtype() == paddle::DataType::FLOAT32 && up.dtype() == paddle::DataType::FLOAT32,
+           "pt_swiglu: float32 only");
+  PD_CHECK(gate.shape() == up.shape(), "pt_swiglu: gate and up differ in shape");
+  const int64_t n = gate.numel();
+  auto out = paddle::empty(gate.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* g = gate.data<float>();
+  const float* u = up.data<float>();
+  float* o = out.data<float>();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) o[i] = g[i] * sigmoid(g[i]) * u[i];
+  return {out};
+}
+
+// d gate = dy * up * s * (1 + gate * (1 - s)), d up = dy * silu(gate), s = sigmoid(gate).
+std::vector<paddle::Tensor> SwigluBwd(const paddle::Tensor& gate, const paddle::Tensor& up, const paddle::Tensor& dy) {
+  const int64_t n = gate.numel();
+  auto dg = paddle::empty(gate.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto du = paddle::empty(gate.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* g = gate.data<float>();
+  const float* u = up.data<float>();
+  const float* d = dy.data<float>();
+  float* dgp = dg.data<float>();
+  float* dup = du.data<float>();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(g[i]);
+    dgp[i] = d[i] * u[i] * s * (1.f + g[i] * (1.f - s));
+    dup[i] = d[i] * g[i] * s;
+  }
+  return {dg, du};
+}
+
 PD_BUILD_OP(pt_softmax_xent)
     .Inputs({"Logits", "Targets"})
     .Outputs({"Loss", "Grad"})
@@ -160,3 +277,25 @@ PD_BUILD_OP(pt_masked_softmax_bwd)
     .Inputs({"Probs", "DProbs", "Mask"})
     .Outputs({"DScores"})
     .SetKernelFn(PD_KERNEL(MaskedSoftmaxBwd));
+
+PD_BUILD_OP(pt_rms_norm)
+    .Inputs({"X", "Weight"})
+    .Outputs({"Y", "Rstd"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNorm));
+
+PD_BUILD_OP(pt_rms_norm_bwd)
+    .Inputs({"X", "Weight", "Rstd", "DY"})
+    .Outputs({"DX", "DWeight"})
+    .Attrs({"want_dw: bool"})
+    .SetKernelFn(PD_KERNEL(RmsNormBwd));
+
+PD_BUILD_OP(pt_swiglu)
+    .Inputs({"Gate", "Up"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(Swiglu));
+
+PD_BUILD_OP(pt_swiglu_bwd)
+    .Inputs({"Gate", "Up", "DOut"})
+    .Outputs({"DGate", "DUp"})
+    .SetKernelFn(PD_KERNEL(SwigluBwd));

@@ -16,6 +16,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .. import kernels
 from .cache import PrefixCache
 from .layers import (CausalLMOutput, RMSNorm, RopeTables, attention, attention_bias,
                      causal_lm_loss, rope_cos_sin, rope_inv_freq)
@@ -142,7 +143,9 @@ class LlamaMLP(nn.Layer):
         self.act = getattr(F, cfg.hidden_act)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        fused = kernels.swiglu(gate, up) if self.act is F.silu else None   # CPU kernel, one pass
+        return self.down_proj(fused if fused is not None else self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Layer):
