@@ -1,7 +1,7 @@
 """Optional CPU kernels (cpu_kernels.cc), compiled with the system C++ compiler on first use.
 
     ops = cpu_ops()       # the compiled module, or None: callers then use paddle's own kernels
-    loss, grad = ops.pt_softmax_xent(logits, targets)                  # [n], [n, V]
+    loss = ops.pt_softmax_xent(logits, targets)     # [n]; logits become softmax - onehot (in place)
     probs = ops.pt_masked_softmax(scores, mask)                        # [B, H, S, T]
     dscores = ops.pt_masked_softmax_bwd(probs, dprobs, mask)
     y, rstd = ops.pt_rms_norm(x, weight, eps)                          # RMSNorm over the last axis
@@ -248,9 +248,10 @@ def masked_softmax(scores, mask):
     return _apply("masked_softmax", scores, mask)
 
 
-def softmax_xent(logits, targets):
-    """Kernel path for (per-row cross-entropy [n], softmax - onehot [n, V]) of float32 CPU logits
-    [n, V] and int64 targets [n] (all labelled); None when unavailable (use paddle's ops)."""
+def softmax_xent_(logits, targets):
+    """Kernel path for the per-row cross-entropy [n] of float32 CPU logits [n, V] and int64
+    targets [n] (all labelled), OVERWRITING logits with softmax - onehot (their gradient); None
+    when unavailable (logits untouched: use paddle's ops)."""
     if logits.dtype != _float32() or not logits.place.is_cpu_place() or len(logits.shape) != 2:
         return None
     ops = cpu_ops()

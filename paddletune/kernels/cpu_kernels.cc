@@ -58,30 +58,30 @@ inline void softmax_row(const float* x, const bool* mask, float* out, int64_t T)
 
 }  // namespace
 
-// logits [n, V], targets [n] (int64, 0 <= t < V) -> loss [n] = logsumexp(row) - row[t],
-// grad [n, V] = softmax(row) - onehot(t): the gradient of sum(loss) with respect to logits.
+// logits [n, V], targets [n] (int64, 0 <= t < V) -> loss [n] = logsumexp(row) - row[t], and
+// the logits are OVERWRITTEN with softmax(row) - onehot(t), the gradient of sum(loss) with
+// respect to them: the caller's logits block is a temporary, and a second [n, V] buffer would
+// cost as much memory again (131 MB at n = 1024, V = 32000).
 std::vector<paddle::Tensor> SoftmaxXent(const paddle::Tensor& logits, const paddle::Tensor& targets) {
   PD_CHECK(logits.dtype() == paddle::DataType::FLOAT32, "pt_softmax_xent: float32 logits only");
   PD_CHECK(logits.shape().size() == 2, "pt_softmax_xent: logits must be [n, V]");
   const int64_t n = logits.shape()[0], V = logits.shape()[1];
   PD_CHECK(targets.numel() == n, "pt_softmax_xent: one target per row");
-  auto grad = paddle::empty({n, V}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   auto loss = paddle::empty({n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* x = logits.data<float>();
+  float* g = const_cast<float*>(logits.data<float>());   // in place, see above
   const int64_t* t = targets.data<int64_t>();
-  float* g = grad.data<float>();
   float* l = loss.data<float>();
   for (int64_t i = 0; i < n; ++i) PD_CHECK(t[i] >= 0 && t[i] < V, "pt_softmax_xent: target out of range");
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x + i * V;
     float* gi = g + i * V;
     float m = -INFINITY;
-    for (int64_t j = 0; j < V; ++j) m = xi[j] > m ? xi[j] : m;
+    for (int64_t j = 0; j < V; ++j) m = gi[j] > m ? gi[j] : m;
+    const float target_logit = gi[t[i]];
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < V; ++j) {
-      float d = xi[j] - m;
+      float d = gi[j] - m;
       d = d < -80.f ? -80.f : d;
       const float e = exp_neg(d);
       gi[j] = e;
@@ -90,10 +90,10 @@ std::vector<paddle::Tensor> SoftmaxXent(const paddle::Tensor& logits, const padd
     const float inv = 1.f / s;
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) gi[j] *= inv;
-    l[i] = std::log(s) + m - xi[t[i]];
+    l[i] = std::log(s) + m - target_logit;
     gi[t[i]] -= 1.f;
   }
-  return {loss, grad};
+  return {loss};
 }
 
 // Row mapping shared by the masked softmax pair: scores [B, H, S, T] as B*H*S rows of T;
@@ -265,7 +265,7 @@ std::vector<paddle::Tensor> SwigluBwd(const paddle::Tensor& gate, const paddle::
 
 PD_BUILD_OP(pt_softmax_xent)
     .Inputs({"Logits", "Targets"})
-    .Outputs({"Loss", "Grad"})
+    .Outputs({"Loss"})
     .SetKernelFn(PD_KERNEL(SoftmaxXent));
 
 PD_BUILD_OP(pt_masked_softmax)

@@ -20,9 +20,9 @@ def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
     for lo, hi in spans:
         hc, tc = h[lo:hi], t[lo:hi]
         logits = paddle.matmul(hc, w, transpose_y=transposed).astype("float32")
-        fused = kernels.softmax_xent(logits, tc)   # (loss rows, p - onehot) in one pass, or None
-        if fused is not None:
-            lc, p = fused
+        lc = kernels.softmax_xent_(logits, tc)   # loss rows, logits -> p - onehot in place; or None
+        if lc is not None:
+            p = logits
         else:
             p, lc = _C_ops.cross_entropy_with_softmax(logits, tc.unsqueeze(-1), False, True, True, -100, -1)
             # p - onehot(t) in place: both gradients below are then plain products
@@ -41,9 +41,11 @@ def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
 class LinearCrossEntropy(paddle.autograd.PyLayer):
     """LinearCrossEntropy.apply(h, w, t, transposed) -> summed CE (see the module docstring)."""
 
-    # elements of one [rows, V] logits block: 250 rows at V=32000 (32 MB of float32); paddle's
-    # CPU matmul runs [128, 256] x [256, 32000] 1.7x slower than 256+ rows, so blocks stay large
-    BLOCK_ELEMENTS = 8_000_000
+    # elements of one [rows, V] logits block: 1000 rows at V=32000 (128 MB of float32, which the
+    # CPU kernel turns into the gradient in place). Smaller blocks save memory but cost speed:
+    # paddle's CPU matmul runs [128, 256] x [256, 32000] 1.7x slower than 256+ rows, and the
+    # DESIGN.md section 5 LoRA step is ~10 ms faster with one 1020-row block than with 250-row ones
+    BLOCK_ELEMENTS = 32_000_000
 
     @staticmethod
     def forward(ctx, h, w, t, transposed):
@@ -51,6 +53,8 @@ class LinearCrossEntropy(paddle.autograd.PyLayer):
         n = h.shape[0]
         want_dh, want_dw = not h.stop_gradient, not w.stop_gradient
         rows = max(1, LinearCrossEntropy.BLOCK_ELEMENTS // V)
+        if not (h.place.is_cpu_place() and kernels.cpu_ops() is not None):
+            rows = max(1, rows // 4)   # paddle's loss keeps logits and p: two blocks alive
         spans = [(i, min(i + rows, n)) for i in range(0, n, rows)]
         with paddle.no_grad():
             loss, dh, dw = _blocks(h.detach(), w.detach(), t, transposed, want_dh, want_dw, spans)
