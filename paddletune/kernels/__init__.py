@@ -9,7 +9,8 @@
 (and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu) pick them.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
-passes; on the DESIGN.md section 5 LoRA step the loss alone took ~45 ms of ~400 (these: ~13).
+passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
+on the DESIGN.md section 5 LoRA step the loss alone took ~45 ms of ~400 (the kernel: ~13).
 Built through paddle.utils.cpp_extension into $PADDLETUNE_HOME/kernels/<key> (key = hash of the
 source, paddle version, compiler flags and CPU, since -march=native code is CPU-specific), under
 a file lock so launched ranks build once; later processes load the built library (~1 s).
