@@ -115,3 +115,27 @@ def test_swiglu_forward_and_backward_equal_paddle():
         out.append((y.numpy(), g.grad.numpy(), u.grad.numpy()))
     for a, b in zip(*out):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_heads_first_equals_paddle():
+    """Against the paddle path of RopeTables (x * cos + rotate_half(x) * sin, then the head
+    transpose), forward and backward, with a score scale."""
+    from paddletune.models.layers import RopeTables
+
+    rng = np.random.default_rng(4)
+    B, S, N, D = 2, 5, 3, 8
+    x_np = rng.standard_normal((B, S, N, D)).astype(np.float32)
+    ang = rng.standard_normal((B, S, D)).astype(np.float32)
+    dy = paddle.to_tensor(rng.standard_normal((B, N, S, D)).astype(np.float32))
+    tables = RopeTables(paddle.to_tensor(np.cos(ang)), paddle.to_tensor(np.sin(ang)))
+    out = []
+    for use_kernel in (True, False):
+        x = paddle.to_tensor(x_np)
+        x.stop_gradient = False
+        y = (kernels.rope_heads_first(x, tables.cos, tables.sin, 0.5) if use_kernel else
+             tables.apply(x, 0.5).transpose([0, 2, 1, 3]))
+        y.backward(dy)
+        out.append((y.numpy(), x.grad.numpy()))
+    assert out[0][0].shape == (B, N, S, D)
+    for a, b in zip(*out):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

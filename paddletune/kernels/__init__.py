@@ -6,7 +6,8 @@
     dscores = ops.pt_masked_softmax_bwd(probs, dprobs, mask)
     y, rstd = ops.pt_rms_norm(x, weight, eps)                          # RMSNorm over the last axis
     out = ops.pt_swiglu(gate, up)                                      # silu(gate) * up
-(and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu) pick them.
+    out = ops.pt_rope(x, cos, sin, scale)          # rotary embedding, [B, S, N, D] -> [B, N, S, D]
+(and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu, rope) pick them.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
@@ -33,7 +34,7 @@ logger = logging.getLogger("paddletune")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd", "pt_rms_norm", "pt_rms_norm_bwd",
-       "pt_swiglu", "pt_swiglu_bwd")
+       "pt_swiglu", "pt_swiglu_bwd", "pt_rope", "pt_rope_bwd")
 _STATE = {}
 
 
@@ -205,7 +206,21 @@ def _layers():
             gate, up = ctx.saved_tensor()
             return tuple(cpu_ops().pt_swiglu_bwd(gate, up, dout))
 
-    return {"masked_softmax": MaskedSoftmax, "rms_norm": RmsNorm, "swiglu": Swiglu}
+    class Rope(paddle.autograd.PyLayer):
+        """scale * (x * cos + rotate_half(x) * sin), heads moved before the sequence axis."""
+
+        @staticmethod
+        def forward(ctx, x, cos, sin, scale):
+            ctx.save_for_backward(cos, sin)
+            ctx.scale = scale
+            return cpu_ops().pt_rope(x, cos, sin, scale)
+
+        @staticmethod
+        def backward(ctx, dout):
+            cos, sin = ctx.saved_tensor()
+            return cpu_ops().pt_rope_bwd(dout, cos, sin, ctx.scale), None, None
+
+    return {"masked_softmax": MaskedSoftmax, "rms_norm": RmsNorm, "swiglu": Swiglu, "rope": Rope}
 
 
 def _apply(kind, *args):
@@ -227,6 +242,15 @@ def rms_norm(x, weight, eps):
     if not _fits(x, weight) or len(weight.shape) != 1 or x.shape[-1] != weight.shape[0]:
         return None
     return _apply("rms_norm", x, weight, float(eps))
+
+
+def rope_heads_first(x, cos, sin, scale=1.0):
+    """Kernel path for scale * (x * cos + rotate_half(x) * sin) transposed to [B, N, S, D], from
+    x [B, S, N, D] and cos / sin [B, S, D] (float32, CPU); None otherwise."""
+    if (len(x.shape) != 4 or x.shape[-1] % 2 or list(cos.shape) != [x.shape[0], x.shape[1], x.shape[3]]
+            or list(sin.shape) != list(cos.shape) or not _fits(x, cos, sin)):
+        return None
+    return _apply("rope", x, cos, sin, float(scale))
 
 
 def swiglu(gate, up):

@@ -264,6 +264,67 @@ std::vector<paddle::Tensor> SwigluBwd(const paddle::Tensor& gate, const paddle::
   return {dg, du};
 }
 
+// Rotary embedding with the head transpose folded in: x [B, S, N, D] -> out [B, N, S, D],
+// out = scale * (x * cos + rotate_half(x) * sin), rotate_half([x1, x2]) = [-x2, x1] (halves of D),
+// cos / sin [B, S, D]. `scale` lets attention put 1/sqrt(D) on q here instead of on the scores.
+std::vector<paddle::Tensor> Rope(const paddle::Tensor& x, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                 float scale) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32 &&
+           sin.dtype() == paddle::DataType::FLOAT32, "pt_rope: float32 only");
+  const auto sh = x.shape();
+  PD_CHECK(sh.size() == 4 && sh[3] % 2 == 0, "pt_rope: x must be [B, S, N, D] with even D");
+  const int64_t B = sh[0], S = sh[1], N = sh[2], D = sh[3], h = D / 2;
+  PD_CHECK(cos.numel() == B * S * D && sin.numel() == B * S * D, "pt_rope: cos/sin must be [B, S, D]");
+  auto out = paddle::empty({B, N, S, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* xp = x.data<float>();
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+  float* op = out.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < B * S; ++r) {
+    const int64_t b = r / S, s = r % S;
+    const float* c = cp + r * D;
+    const float* sn = sp + r * D;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* xi = xp + (r * N + n) * D;
+      float* o = op + ((b * N + n) * S + s) * D;
+#pragma omp simd
+      for (int64_t j = 0; j < h; ++j) o[j] = scale * (xi[j] * c[j] - xi[j + h] * sn[j]);
+#pragma omp simd
+      for (int64_t j = h; j < D; ++j) o[j] = scale * (xi[j] * c[j] + xi[j - h] * sn[j]);
+    }
+  }
+  return {out};
+}
+
+// dx [B, S, N, D] from dout [B, N, S, D]: dx_i = scale * (dout_i cos_i + (i < D/2 ? dout_{i+h} sin_{i+h}
+// : -dout_{i-h} sin_{i-h})), the transpose of the forward's linear map.
+std::vector<paddle::Tensor> RopeBwd(const paddle::Tensor& dout, const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                    float scale) {
+  const auto sh = dout.shape();
+  const int64_t B = sh[0], N = sh[1], S = sh[2], D = sh[3], h = D / 2;
+  auto dx = paddle::empty({B, S, N, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* gp = dout.data<float>();
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+  float* dp = dx.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < B * S; ++r) {
+    const int64_t b = r / S, s = r % S;
+    const float* c = cp + r * D;
+    const float* sn = sp + r * D;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* g = gp + ((b * N + n) * S + s) * D;
+      float* o = dp + (r * N + n) * D;
+#pragma omp simd
+      for (int64_t j = 0; j < h; ++j) o[j] = scale * (g[j] * c[j] + g[j + h] * sn[j + h]);
+#pragma omp simd
+      for (int64_t j = h; j < D; ++j) o[j] = scale * (g[j] * c[j] - g[j - h] * sn[j - h]);
+    }
+  }
+  return {dx};
+}
+
 PD_BUILD_OP(pt_softmax_xent)
     .Inputs({"Logits", "Targets"})
     .Outputs({"Loss"})
@@ -300,3 +361,15 @@ PD_BUILD_OP(pt_swiglu_bwd)
     .Inputs({"Gate", "Up", "DOut"})
     .Outputs({"DGate", "DUp"})
     .SetKernelFn(PD_KERNEL(SwigluBwd));
+
+PD_BUILD_OP(pt_rope)
+    .Inputs({"X", "Cos", "Sin"})
+    .Outputs({"Out"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(Rope));
+
+PD_BUILD_OP(pt_rope_bwd)
+    .Inputs({"DOut", "Cos", "Sin"})
+    .Outputs({"DX"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(RopeBwd));

@@ -143,6 +143,11 @@ class RopeTables:
         cos, sin = self._full[key]
         return x * cos + rotate_half(x) * sin
 
+    def apply_heads_first(self, x, scale=1.0):
+        """apply(x, scale) transposed to [B, heads, S, D], in one CPU kernel when available."""
+        fused = kernels.rope_heads_first(x, self.cos, self.sin, scale)
+        return fused if fused is not None else self.apply(x, scale).transpose([0, 2, 1, 3])
+
 
 # ------------------------------------------------------------------------------------- attention
 

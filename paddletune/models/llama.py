@@ -124,8 +124,9 @@ class LlamaAttention(nn.Layer):
         q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
         k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
         v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
-        q, k = rope.apply(q, 1.0 / math.sqrt(self.head_dim)), rope.apply(k)   # q carries the score scale
-        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # [B, heads, S, D]
+        # [B, heads, S, D]; q carries the score scale
+        q, k = rope.apply_heads_first(q, 1.0 / math.sqrt(self.head_dim)), rope.apply_heads_first(k)
+        v = v.transpose([0, 2, 1, 3])
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         out = attention(q, k, v, bias, self.dropout, self.training, scale=1.0)
