@@ -264,11 +264,11 @@ def masked_softmax(scores, mask):
     """Kernel path for softmax(masked_fill(scores, mask, -1e9), -1): scores [B, H, S, T] float32
     on CPU, mask bool [B or 1, 1, S, T]; None when the kernels are off or the inputs do not fit
     (the caller then runs paddle's ops)."""
-    if (scores.dtype != _float32() or mask.dtype != _bool() or not scores.place.is_cpu_place()
-            or len(scores.shape) != 4 or len(mask.shape) != 4 or mask.shape[1] != 1
-            or mask.shape[2:] != scores.shape[2:] or mask.shape[0] not in (1, scores.shape[0])):
-        return None
-    if cpu_ops() is None:
+    import paddle
+
+    if (mask.dtype != paddle.bool or len(scores.shape) != 4 or len(mask.shape) != 4 or mask.shape[1] != 1
+            or mask.shape[2:] != scores.shape[2:] or mask.shape[0] not in (1, scores.shape[0])
+            or not _fits(scores)):
         return None
     return _apply("masked_softmax", scores, mask)
 
@@ -277,21 +277,6 @@ def softmax_xent_(logits, targets):
     """Kernel path for the per-row cross-entropy [n] of float32 CPU logits [n, V] and int64
     targets [n] (all labelled), OVERWRITING logits with softmax - onehot (their gradient); None
     when unavailable (logits untouched: use paddle's ops)."""
-    if logits.dtype != _float32() or not logits.place.is_cpu_place() or len(logits.shape) != 2:
+    if len(logits.shape) != 2 or not _fits(logits):
         return None
-    ops = cpu_ops()
-    if ops is None:
-        return None
-    return ops.pt_softmax_xent(logits, targets.astype("int64"))
-
-
-def _float32():
-    import paddle
-
-    return paddle.float32
-
-
-def _bool():
-    import paddle
-
-    return paddle.bool
+    return cpu_ops().pt_softmax_xent(logits, targets.astype("int64"))
