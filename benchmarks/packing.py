@@ -23,6 +23,7 @@ import paddle  # noqa: E402
 from paddletune.data.collate import pad_batch  # noqa: E402
 from paddletune.data.packing import collate_packed, pack_greedy, packing_stats  # noqa: E402
 from paddletune.models import build_model  # noqa: E402
+from paddletune.models.loss import causal_lm_loss  # noqa: E402
 
 
 def length_mix(n, max_length, seed=0):
@@ -52,7 +53,7 @@ def run(model, batches, dense=False):
                if k in ("input_ids", "labels", "position_ids", "segment_ids")}
         if dense:   # an all-ones attention_mask routes to the dense [S, S] mask
             inp["attention_mask"] = paddle.ones(b["input_ids"].shape, "int64")
-        out = model(**inp)
+        out = causal_lm_loss(model, inp)
         out.loss.backward()
         model.clear_gradients()
         tokens += int(b["attention_mask"].sum())

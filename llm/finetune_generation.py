@@ -22,7 +22,6 @@ from paddletune.data import DataError, build_datasets
 from paddletune.data.packing import build_train_source
 from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import load_config, load_model, resolve_model_path
-from paddletune.models.layers import set_flash_attention
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import latest_checkpoint
@@ -77,9 +76,8 @@ def main(argv=None):
                     train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
     # zero padding / lazy data become the Trainer's train_source (None: padded in-memory batches)
     train_source = build_train_source(data_args, args, tok, train_ds, topo) if train_ds is not None else None
-    set_flash_attention(model_args.use_flash_attention)   # packed rows: varlen flash on GPU
-
     model = load_model(model_path, quant=quant_args)   # logs the quantized byte ratio
+    model.flash_attention = model_args.use_flash_attention   # packed rows: varlen flash on GPU
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)
 

@@ -85,11 +85,21 @@ def token_accuracy(model, examples):
     model.eval()
     with paddle.no_grad():
         b = pad_batch(examples, 0)
-        out = model(paddle.to_tensor(b["input_ids"]), labels=paddle.to_tensor(b["labels"]))
+        out = lm_loss(model, b["input_ids"], b["labels"])
         acc = float((out.label_logits.argmax(-1) == out.label_targets).astype("float32").mean())
     if was:
         model.train()
     return acc
+
+
+def lm_loss(model, input_ids, labels, keep_logits=False, **inputs):
+    """models.loss.causal_lm_loss on numpy or paddle inputs (what the Trainer computes)."""
+    import paddle
+    from paddletune.models.loss import causal_lm_loss
+
+    batch = dict(inputs, input_ids=input_ids, labels=labels)
+    batch = {k: v if isinstance(v, paddle.Tensor) else paddle.to_tensor(v) for k, v in batch.items()}
+    return causal_lm_loss(model, batch, keep_logits=keep_logits)
 
 
 def training_args(output_dir, **kw):

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, hf_checkpoint, launch, rel_err, run_script
+from conftest import ROOT, hf_checkpoint, launch, lm_loss, rel_err, run_script
 from paddletune.models.hf import SafetensorsFile
 
 WORKER = os.path.join(ROOT, "tests", "dp_worker.py")
@@ -108,7 +108,7 @@ def test_first_step_gradients_equal_per_tensor(runs):
         model.train()
         for k in range(0, len(ids), micro):
             b = pad_batch([data[i] for i in ids[k:k + micro]], 0)
-            out = model(paddle.to_tensor(b["input_ids"]), labels=paddle.to_tensor(b["labels"]))
+            out = lm_loss(model, b["input_ids"], b["labels"])
             (out.loss_sum / n).backward()
         return {k: p.grad.numpy() for k, p in model.named_parameters()}
 

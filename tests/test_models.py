@@ -4,7 +4,7 @@ import paddle
 import pytest
 import torch
 
-from conftest import hf_checkpoint, rel_err
+from conftest import hf_checkpoint, lm_loss, rel_err
 from paddletune.models import build_model, load_model, save_pretrained
 from paddletune.models.cache import KVCache
 
@@ -68,11 +68,10 @@ def test_labels_give_masked_mean_loss(tiny_llama):
     labels = ids.copy()
     labels[:, :5] = -100
     labels[1, 9:] = -100
-    out = model(paddle.to_tensor(ids), labels=paddle.to_tensor(labels))
+    out = lm_loss(model, ids, labels)
     logits = torch.tensor(model(paddle.to_tensor(ids)).logits.numpy())
     ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                             torch.tensor(labels[:, 1:]).reshape(-1), ignore_index=-100)
-    assert out.logits is None
     assert int(out.num_tokens) == int((labels[:, 1:] != -100).sum())
     assert abs(float(out.loss) - float(ref)) < 1e-5
 
@@ -151,13 +150,13 @@ def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, k
     in the forward pass); loss and every gradient equal the eval-mode path through full logits,
     with paddletune's CPU kernels (cross-entropy, masked softmax) and with paddle's ops only."""
     from paddletune import kernels
-    from paddletune.models import layers
+    from paddletune.models import linear_ce, loss
 
     if not kernels_on:
         monkeypatch.setitem(kernels._STATE, "ops", None)
     else:
         assert kernels.cpu_ops() is not None
-    monkeypatch.setattr(layers.LinearCrossEntropy, "BLOCK_ELEMENTS", 600 * 5)   # 5-row chunks
+    monkeypatch.setattr(linear_ce.LinearCrossEntropy, "BLOCK_ELEMENTS", 600 * 5)   # 5-row chunks
     path, _ = hf_checkpoint(tmp_path / "ck", "qwen2" if tied else "llama", tie_word_embeddings=tied)
     ids = ids_for(14, batch=3)
     labels = ids.copy()
@@ -168,8 +167,8 @@ def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, k
         if frozen_head and not tied:
             model.lm_head.weight.stop_gradient = True
         model.train() if mode == "chunked" else model.eval()   # eval() selects the full-logits path
-        assert (model.head_weight() is not None) == (mode == "chunked")
-        out = model(paddle.to_tensor(ids), labels=paddle.to_tensor(labels))
+        assert loss.linear_head(model) is not None
+        out = lm_loss(model, ids, labels)
         assert (out.label_logits is None) == (mode == "chunked")
         out.loss_sum.backward()
         grads[mode] = (float(out.loss_sum), {n: p.grad.numpy() for n, p in model.named_parameters()

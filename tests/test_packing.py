@@ -4,11 +4,12 @@ import numpy as np
 import paddle
 import pytest
 
-from conftest import ROOT, copy_pairs, rel_err, run_script, token_accuracy, training_args
+from conftest import ROOT, copy_pairs, lm_loss, rel_err, run_script, token_accuracy, training_args
 from paddletune.data.collate import pad_batch
 from paddletune.data.packing import (PackedSource, collate_packed, pack_greedy, pack_sequential,
                                      packing_stats)
 from paddletune.models import build_model, layers
+from paddletune.models.loss import causal_lm_loss
 
 CFG = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -58,7 +59,7 @@ def _loss_and_grads(model, batch, n):
         p.clear_gradient()
     inp = {k: paddle.to_tensor(v) for k, v in batch.items()
            if k in ("input_ids", "labels", "position_ids", "segment_ids")}
-    out = model(**inp)
+    out = causal_lm_loss(model, inp)
     (out.loss_sum / n).backward()
     return float(out.loss_sum) / n, {k: p.grad.numpy().copy() for k, p in model.named_parameters()}
 
@@ -89,11 +90,11 @@ def test_isolation_second_example_cannot_see_the_first():
     model.eval()
     a, b = examples([30, 12], seed=3)
     a = dict(a, labels=np.full(30, -100))          # loss only on B
-    alone = float(model(paddle.to_tensor(b["input_ids"][None]), labels=paddle.to_tensor(b["labels"][None])).loss_sum)
+    alone = float(lm_loss(model, b["input_ids"][None], b["labels"][None]).loss_sum)
     row = collate_packed([[a, b]], 0)
     t = {k: paddle.to_tensor(v) for k, v in row.items() if k in ("input_ids", "labels", "position_ids", "segment_ids")}
-    packed = float(model(**t).loss_sum)
-    leaky = float(model(**{k: v for k, v in t.items() if k != "segment_ids"}).loss_sum)
+    packed = float(causal_lm_loss(model, t).loss_sum)
+    leaky = float(causal_lm_loss(model, {k: v for k, v in t.items() if k != "segment_ids"}).loss_sum)
     assert abs(packed - alone) / alone < 1e-5
     assert abs(leaky - alone) / alone > 1e-2
 

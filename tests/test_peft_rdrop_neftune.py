@@ -9,6 +9,7 @@ from conftest import copy_pairs, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ModelArgument
 from paddletune.data.collate import pad_batch
+from paddletune.models.loss import causal_lm_loss
 from paddletune.peft import neftune, rdrop
 from paddletune.trainer import Trainer
 
@@ -75,9 +76,8 @@ def test_rdrop_loss_matches_numpy_with_dropout():
         if ".lora_B." in n:
             p.set_value((rng.standard_normal(p.shape) * 0.1).astype(np.float32))
     model.train()
-    model.keep_label_logits = True   # as R-Drop's loss_fn sets it: training passes return label logits
     b = _batch()
-    o1, o2 = model(**b), model(**b)
+    o1, o2 = (causal_lm_loss(model, b, keep_logits=True) for _ in range(2))   # as R-Drop's loss_fn
     got = rdrop.combine(o1, o2, alpha=2.0)
     t = o1.label_targets.numpy()
     ce1, lp1 = _np_ce_sum(o1.label_logits.numpy().astype(np.float64), t)

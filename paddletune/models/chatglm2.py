@@ -27,8 +27,8 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .layers import (CausalLMOutput, RMSNorm, attention, attention_bias, causal_lm_loss,
-                     rope_inv_freq)
+from .layers import RMSNorm, attention, rope_inv_freq, swiglu
+from .runner import CausalLM
 from .spec import ModelSpec, register
 
 # THUDM config keys whose other values describe architectures this file does not build.
@@ -170,6 +170,18 @@ def apply_interleaved_rope(x, cos, sin):
     return paddle.concat([out, rest], axis=-1)
 
 
+class InterleavedRope:
+    """The runner's rope object for ChatGLM: cos/sin [B, S, 1, R/2] of one forward."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin = cos, sin
+
+    def apply_heads_first(self, x, scale=1.0):
+        """x [B, S, heads, D] rotated (times `scale`), as [B, heads, S, D]."""
+        out = apply_interleaved_rope(x, self.cos, self.sin)
+        return (out if scale == 1.0 else out * scale).transpose([0, 2, 1, 3])
+
+
 class SelfAttention(nn.Layer):
     def __init__(self, cfg: ChatGLM2Config, idx: int):
         super().__init__()
@@ -182,7 +194,7 @@ class SelfAttention(nn.Layer):
         self.dropout = cfg.attention_dropout
         self.layer_idx = idx
 
-    def forward(self, x, cos, sin, bias=None, cache=None):
+    def forward(self, x, ctx):
         B, S = x.shape[0], x.shape[1]
         qkv = self.query_key_value(x)
         # head counts from the projection width, so a tensor-parallel slice works unchanged:
@@ -190,13 +202,12 @@ class SelfAttention(nn.Layer):
         kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
         q, k, v = paddle.split(qkv, [self.group * kv * self.head_dim, kv * self.head_dim,
                                      kv * self.head_dim], axis=-1)
-        q = apply_interleaved_rope(q.reshape([B, S, -1, self.head_dim]), cos, sin)
-        k = apply_interleaved_rope(k.reshape([B, S, -1, self.head_dim]), cos, sin)
-        v = v.reshape([B, S, -1, self.head_dim])
-        q, k, v = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # [B, heads, S, D]
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        return self.dense(attention(q, k, v, bias, self.dropout, self.training))
+        q = ctx.rope.apply_heads_first(q.reshape([B, S, -1, self.head_dim]))   # [B, heads, S, D]
+        k = ctx.rope.apply_heads_first(k.reshape([B, S, -1, self.head_dim]))
+        v = v.reshape([B, S, -1, self.head_dim]).transpose([0, 2, 1, 3])
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(self.layer_idx, k, v)
+        return self.dense(attention(q, k, v, ctx.mask, self.dropout, self.training, flash=ctx.flash))
 
 
 class MLP(nn.Layer):
@@ -210,7 +221,7 @@ class MLP(nn.Layer):
 
     def forward(self, x):
         a, b = paddle.chunk(self.dense_h_to_4h(x), 2, axis=-1)
-        return self.dense_4h_to_h(F.silu(a) * b)
+        return self.dense_4h_to_h(swiglu(a, b))
 
 
 class GLMBlock(nn.Layer):
@@ -222,8 +233,8 @@ class GLMBlock(nn.Layer):
         self.mlp = MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def forward(self, h, cos, sin, bias=None, cache=None):
-        a = self.self_attention(self.input_layernorm(h), cos, sin, bias, cache)
+    def forward(self, h, ctx):
+        a = self.self_attention(self.input_layernorm(h), ctx)
         h = h + F.dropout(a, self.hidden_dropout, training=self.training)
         m = self.mlp(self.post_attention_layernorm(h))
         return h + F.dropout(m, self.hidden_dropout, training=self.training)
@@ -250,68 +261,31 @@ class ChatGLM2Model(nn.Layer):
         self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias_attr=False)
 
 
-class ChatGLM2ForCausalLM(nn.Layer):
-    """forward(input_ids [B, S], attention_mask [B, past+S] (1 = real), position_ids [B, S],
-    labels [B, S] (-100 = ignore), cache (KVCache/PrefixCache), segment_ids [B, S] for packed
-    rows) -> CausalLMOutput; logits are padded_vocab_size wide. Positions start at
-    cache.length with a cache (learned prefixes included, as for every model here), else 0
-    (THUDM numbers positions 0..S-1 even under left padding)."""
+class ChatGLM2ForCausalLM(CausalLM):
+    """ChatGLM2/3 parts for the shared runner (models/runner.py); logits are padded_vocab_size
+    wide. Positions start at cache.length with a cache (learned prefixes included, as for every
+    model here), else 0 (THUDM numbers positions 0..S-1 even under left padding)."""
 
     def __init__(self, cfg: ChatGLM2Config):
-        super().__init__()
-        self.config = cfg
-        self.spec = SPEC
+        super().__init__(cfg, SPEC)
         self.transformer = ChatGLM2Model(cfg)
-        self.recompute = False          # activation recomputation per block (training)
-        self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
-        self.keep_label_logits = False  # training returns label logits (R-Drop needs them)
-        # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
-        # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
-        self.cache_hook = None
 
-    def head_weight(self):
-        """(W, transposed) of the plain output layer for the chunked training loss, else None."""
-        out = self.transformer.output_layer
-        if not self.training or self.keep_label_logits or type(out) is not nn.Linear or out.bias is not None:
-            return None
-        return out.weight, False
+    def get_input_embeddings(self):
+        return self.transformer.embedding.word_embeddings
 
-    def head(self, h):
-        return self.transformer.output_layer(h)
+    def decoder_layers(self):
+        return self.transformer.encoder.layers
+
+    def final_norm(self):
+        return self.transformer.encoder.final_layernorm
+
+    def get_output_embeddings(self):
+        return self.transformer.output_layer
 
     def rope_tables(self, position_ids):
         cfg = self.config
         inv = rope_inv_freq(cfg.kv_channels // 2, cfg.rope(), None, cfg.seq_length)
-        return interleaved_rope_tables(position_ids, inv)
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, cache=None,
-                segment_ids=None, return_hidden=False):
-        B, S = input_ids.shape
-        if cache is None and self.cache_hook is not None:
-            cache, attention_mask = self.cache_hook(attention_mask)
-        past = cache.length if cache is not None else 0
-        if position_ids is None:
-            position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
-        h = self.transformer.embedding.word_embeddings(input_ids)
-        if self.embedding_hook is not None:
-            h = self.embedding_hook(h)
-        cos, sin = self.rope_tables(position_ids)
-        bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
-        for layer in self.transformer.encoder.layers:
-            if self.recompute and self.training and cache is None:
-                from paddle.distributed.fleet.utils import recompute
-                h = recompute(layer, h, cos, sin, bias, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, bias, cache)
-        if cache is not None:
-            cache.advance(S)
-        h = self.transformer.encoder.final_layernorm(h)
-        if labels is None:
-            return CausalLMOutput(logits=self.head(h), hidden_states=h if return_hidden else None)
-        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head, self.head_weight())
-        return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum,
-                              num_tokens=n, label_logits=label_logits, label_targets=targets,
-                              hidden_states=h if return_hidden else None)
+        return InterleavedRope(*interleaved_rope_tables(position_ids, inv))
 
 
 def _prefix_layout(cfg):

@@ -1,11 +1,9 @@
-"""Building blocks shared by the model files: RMSNorm, rotary tables, attention, masked LM loss.
+"""Building blocks shared by the model files: RMSNorm, rotary tables, attention, SwiGLU.
 
 Shapes: B batch, S new tokens, T keys (past + new), N query heads, K key/value heads,
 D head_dim, H hidden, V vocab. Linear weights are paddle layout [in, out].
 """
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import paddle
@@ -13,23 +11,8 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from .. import kernels
-from .linear_ce import LinearCrossEntropy  # noqa: F401  (the chunked training loss)
 
 _NEG = {"float32": -1e9, "float64": -1e9, "bfloat16": -1e9, "float16": -6e4}
-
-
-@dataclass
-class CausalLMOutput:
-    """`logits` [B, S, V] when no labels are given. With labels, logits are computed only at
-    labelled positions: `label_logits` [n, V] with `label_targets` [n]; `logits` is None;
-    `loss_sum` is the summed token cross-entropy, `num_tokens` = n, `loss` = loss_sum / n."""
-    logits: Optional[paddle.Tensor] = None
-    loss: Optional[paddle.Tensor] = None
-    loss_sum: Optional[paddle.Tensor] = None
-    num_tokens: Optional[paddle.Tensor] = None
-    label_logits: Optional[paddle.Tensor] = None
-    label_targets: Optional[paddle.Tensor] = None
-    hidden_states: Optional[paddle.Tensor] = None
 
 
 _MEAN = {}   # H -> [H, 1] column of 1/H (RMSNorm)
@@ -56,6 +39,12 @@ class RMSNorm(nn.Layer):
         # since broadcast multiplies (and their gradients' reductions) are the slow ones: 2.8 -> 1.0 ms
         r = paddle.rsqrt(paddle.matmul(paddle.square(x32), _MEAN[H]) + self.eps).expand(x32.shape)
         return self.weight.expand(x.shape) * (x32 * r).astype(dtype)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, one pass forward and backward on the CPU kernels (else paddle's ops)."""
+    fused = kernels.swiglu(gate, up)
+    return fused if fused is not None else F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -187,7 +176,7 @@ class PackedRows:
     block-diagonal attention over the row, at cost sum(block^2) instead of S^2.
     Example: segments [0,0,0,1,1,2] with BLOCK 4 -> blocks [0:5) (examples 0,1) and [5:6).
 
-    GPU with set_flash_attention(True): paddle's variable-length flash attention
+    GPU with the model's flash_attention switch on: paddle's variable-length flash attention
     (flash_attn_unpadded) over the examples with cumulative sequence lengths. UNTESTED here
     (no GPU on the development machines); any failure falls back to the exact path."""
     BLOCK = 256
@@ -241,12 +230,7 @@ class PackedRows:
         return np.asarray(starts, np.int32)
 
 
-_FLASH = {"enabled": False, "warned": False}
-
-
-def set_flash_attention(enabled):
-    """Use varlen flash attention for packed rows on GPU (see PackedRows)."""
-    _FLASH["enabled"] = bool(enabled)
+_WARNED = set()
 
 
 def _packed_flash(q, k, v, layout, dropout, training, scale):
@@ -264,13 +248,13 @@ def _packed_flash(q, k, v, layout, dropout, training, scale):
     return out.reshape([B, S, N * D])
 
 
-def _packed_attention(q, k, v, layout, dropout, training, scale):
-    if _FLASH["enabled"] and "gpu" in str(q.place).lower():
+def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False):
+    if flash and "gpu" in str(q.place).lower():
         try:
             return _packed_flash(q, k, v, layout, dropout, training, scale)
         except Exception as e:  # untested kernel path: stay correct, say why once
-            if not _FLASH["warned"]:
-                _FLASH["warned"] = True
+            if "flash" not in _WARNED:
+                _WARNED.add("flash")
                 import logging
                 logging.getLogger("paddletune").warning("varlen flash attention failed (%s); using "
                                                         "the exact blocked path", e)
@@ -284,16 +268,17 @@ def _packed_attention(q, k, v, layout, dropout, training, scale):
     return paddle.concat([paddle.concat(r, axis=1) if len(r) > 1 else r[0] for r in rows], axis=0)
 
 
-def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None):
+def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash=False):
     """Scaled dot-product attention with grouped KV heads and no K/V repetition.
 
     q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias: bool mask broadcastable to
     [B, 1, S, T] (True = blocked, from attention_bias), or a PackedRows (zero padding). Query heads k*g .. k*g+g-1 share KV head k (as HF's repeat_kv).
     `scale` multiplies the scores: None = 1/sqrt(D); 1.0 when q was scaled already (RopeTables).
+    `flash`: packed rows may use the GPU varlen flash-attention kernel (see PackedRows).
     Returns [B, S, N*D]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(bias, PackedRows):
-        return _packed_attention(q, k, v, bias, dropout, training, scale)
+        return _packed_attention(q, k, v, bias, dropout, training, scale, flash)
     return _dense_attention(q, k, v, bias, dropout, training, scale)
 
 
@@ -321,32 +306,6 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None
         probs = F.dropout(probs, dropout, training=True)
     out = paddle.matmul(probs, v)                                          # [B, K, g*S, D]
     return out.reshape([B, N, S, D]).transpose([0, 2, 1, 3]).reshape([B, S, N * D])
-
-
-# ------------------------------------------------------------------------------------------ loss
-
-def causal_lm_loss(hidden, labels, head, head_weight=None):
-    """Shifted cross-entropy using logits at labelled positions only.
-
-    hidden [B, S, H]; labels [B, S] aligned with input_ids (-100 = no loss); position t predicts
-    labels[t+1]. `head(h [n, H]) -> [n, V]`. Returns (loss_sum, n, label_logits, targets).
-    Example: labels [-100, -100, 7, 9] -> hidden rows 1, 2 are projected, targets [7, 9].
-    With `head_weight` = (W, transposed) of a plain linear head and gradients enabled, the head
-    and the loss run chunk by chunk (LinearCrossEntropy) and label_logits is None."""
-    Hdim = hidden.shape[-1]
-    h = hidden[:, :-1].reshape([-1, Hdim])
-    tgt = labels[:, 1:].reshape([-1])
-    idx = paddle.nonzero(tgt != -100).reshape([-1])
-    h_sel = paddle.gather(h, idx)
-    t_sel = paddle.gather(tgt, idx)
-    n = paddle.to_tensor(idx.shape[0], dtype="float32")
-    if head_weight is not None and paddle.is_grad_enabled() and idx.shape[0] > 0:
-        w, transposed = head_weight
-        loss_sum = LinearCrossEntropy.apply(h_sel, w, t_sel, transposed)
-        return loss_sum, n, None, t_sel
-    logits = head(h_sel).astype("float32")
-    loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
-    return loss_sum, n, logits, t_sel
 
 
 def init_weights(model, std=0.02, seed=0):

@@ -12,14 +12,11 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .. import kernels
-from .cache import PrefixCache
-from .layers import (CausalLMOutput, RMSNorm, RopeTables, attention, attention_bias,
-                     causal_lm_loss, rope_cos_sin, rope_inv_freq)
+from .layers import RMSNorm, RopeTables, attention, rope_cos_sin, rope_inv_freq, swiglu
+from .runner import CausalLM
 from .spec import ModelSpec, register
 
 
@@ -118,18 +115,19 @@ class LlamaAttention(nn.Layer):
         self.dropout = cfg.attention_dropout
         self.layer_idx = 0
 
-    def forward(self, x, rope, bias=None, cache=None):
+    def forward(self, x, ctx):
         B, S = x.shape[0], x.shape[1]
         # heads are read from the projection width so a tensor-parallel slice works unchanged
         q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
         k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
         v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
         # [B, heads, S, D]; q carries the score scale
-        q, k = rope.apply_heads_first(q, 1.0 / math.sqrt(self.head_dim)), rope.apply_heads_first(k)
+        q = ctx.rope.apply_heads_first(q, 1.0 / math.sqrt(self.head_dim))
+        k = ctx.rope.apply_heads_first(k)
         v = v.transpose([0, 2, 1, 3])
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, bias, self.dropout, self.training, scale=1.0)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(self.layer_idx, k, v)
+        out = attention(q, k, v, ctx.mask, self.dropout, self.training, scale=1.0, flash=ctx.flash)
         return self.o_proj(out)
 
 
@@ -145,8 +143,7 @@ class LlamaMLP(nn.Layer):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        fused = kernels.swiglu(gate, up) if self.act is F.silu else None   # CPU kernel, one pass
-        return self.down_proj(fused if fused is not None else self.act(gate) * up)
+        return self.down_proj(swiglu(gate, up) if self.act is F.silu else self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Layer):
@@ -158,8 +155,8 @@ class LlamaDecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h, rope, bias=None, cache=None):
-        h = h + self.self_attn(self.input_layernorm(h), rope, bias, cache)
+    def forward(self, h, ctx):
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -171,80 +168,32 @@ class LlamaModel(nn.Layer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Layer):
-    """forward(input_ids [B, S], attention_mask [B, past+S] (1 = real), position_ids [B, S],
-    labels [B, S] (-100 = ignore), cache (KVCache/PrefixCache), segment_ids [B, S] for packed
-    rows) -> CausalLMOutput. Without a cache, positions start at 0; with one, at cache.length."""
+class LlamaForCausalLM(CausalLM):
+    """Llama-family parts for the shared runner (models/runner.py: forward, cache, prefix, ...)."""
 
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.config = cfg
-        self.spec = SPECS[cfg.model_type]
+        super().__init__(cfg, SPECS[cfg.model_type])
         self.model = LlamaModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
-        self.recompute = False          # activation recomputation per decoder layer (training)
-        self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
-        self.keep_label_logits = False  # training returns label logits (R-Drop needs them)
-        # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
-        # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
-        self.cache_hook = None
 
-    def head_weight(self):
-        """(W, transposed) of a plain linear LM head for the chunked training loss, else None
-        (eval mode, R-Drop, or a wrapped head such as LoRA on lm_head)."""
-        if not self.training or self.keep_label_logits:
-            return None
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight, True
-        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
-            return self.lm_head.weight, False
-        return None
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
 
-    def head(self, h):
-        if self.config.tie_word_embeddings:
-            return paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
-        return self.lm_head(h)
+    def decoder_layers(self):
+        return self.model.layers
+
+    def final_norm(self):
+        return self.model.norm
+
+    def get_output_embeddings(self):
+        return None if self.config.tie_word_embeddings else self.lm_head
 
     def rope_tables(self, position_ids):
         cfg = self.config
         seq_len = int(position_ids.max()) + 1 if cfg.rope["rope_type"] == "dynamic" else None
         inv = rope_inv_freq(cfg.head_dim, cfg.rope, seq_len, cfg.max_position_embeddings)
-        return rope_cos_sin(position_ids, inv)
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, cache=None,
-                segment_ids=None, return_hidden=False):
-        B, S = input_ids.shape
-        if cache is None and self.cache_hook is not None:
-            cache, attention_mask = self.cache_hook(attention_mask)
-        past = cache.length if cache is not None else 0
-        if position_ids is None:
-            position_ids = (paddle.arange(past, past + S, dtype="int64").unsqueeze(0)
-                            .expand([B, S]))
-        h = self.model.embed_tokens(input_ids)
-        if self.embedding_hook is not None:
-            h = self.embedding_hook(h)
-        rope = RopeTables(*self.rope_tables(position_ids))
-        bias = attention_bias(B, S, past, attention_mask, segment_ids, dtype=h.dtype)
-        for layer in self.model.layers:
-            # recompute only where the layer input carries a gradient (a frozen embedding's output
-            # does not: recomputing that layer would save nothing and paddle warns about it); a
-            # PrefixCache (prefix tuning) holds no state between calls, so recompute is safe with it
-            if (self.recompute and self.training and not h.stop_gradient
-                    and (cache is None or isinstance(cache, PrefixCache))):
-                from paddle.distributed.fleet.utils import recompute
-                h = recompute(layer, h, rope, bias, cache, use_reentrant=False)
-            else:
-                h = layer(h, rope, bias, cache)
-        if cache is not None:
-            cache.advance(S)
-        h = self.model.norm(h)
-        if labels is None:
-            return CausalLMOutput(logits=self.head(h), hidden_states=h if return_hidden else None)
-        loss_sum, n, label_logits, targets = causal_lm_loss(h, labels, self.head, self.head_weight())
-        return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum,
-                              num_tokens=n, label_logits=label_logits, label_targets=targets,
-                              hidden_states=h if return_hidden else None)
+        return RopeTables(*rope_cos_sin(position_ids, inv))
 
 
 def _prefix_layout(cfg):

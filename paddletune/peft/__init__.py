@@ -33,7 +33,7 @@ class PeftSetup:
     method: Optional[str] = None
     trainable: Optional[Dict] = None           # {name: parameter}
     export_fn: Optional[Callable] = None       # export_fn(out_dir) writes the adapter files
-    loss_fn: Optional[Callable] = None         # R-Drop
+    loss_fn: Optional[Callable] = None         # R-Drop: f(model, batch) -> models.loss.LossOutput
     lr_scales: Optional[Dict] = None           # LoRA+: {lora_B name: lr multiplier}
 
 
@@ -59,7 +59,6 @@ def apply(model, model_args, tokenizer=None):
                     model_args.neftune_noise_alpha)
     if getattr(model_args, "rdrop", False):
         setup.loss_fn = rdrop.make_loss_fn(model_args.rdrop_alpha)
-        model.keep_label_logits = True   # the KL term needs label logits from training passes
         if not rdrop.has_dropout(model):
             logger.warning("rdrop: the model has no dropout (attention_dropout and lora_dropout are 0), "
                            "so both passes agree and the loss equals plain cross-entropy")

@@ -6,10 +6,9 @@ On the n target positions with logits z1, z2 [n, V] (p = softmax(z)) and token C
 The trainer divides loss_sum by the target count, so with dropout 0 (both passes equal) the loss
 is exactly the cross-entropy. In eval mode only one pass is run.
 """
-import paddle
 import paddle.nn.functional as F
 
-from ..models.layers import CausalLMOutput
+from ..models.loss import LossOutput, causal_lm_loss
 
 
 def symmetric_kl(logits1, logits2):
@@ -20,24 +19,21 @@ def symmetric_kl(logits1, logits2):
 
 
 def combine(out1, out2, alpha):
-    """CausalLMOutput of the R-Drop objective from two passes (see the module docstring)."""
+    """LossOutput of the R-Drop objective from two passes (see the module docstring)."""
     kl = symmetric_kl(out1.label_logits, out2.label_logits).sum()
     loss_sum = 0.5 * (out1.loss_sum + out2.loss_sum) + alpha * 0.5 * kl
-    n = out1.num_tokens
-    return CausalLMOutput(loss=loss_sum / paddle.clip(n, min=1.0), loss_sum=loss_sum, num_tokens=n,
-                          label_logits=out1.label_logits, label_targets=out1.label_targets)
+    return LossOutput(loss_sum, out1.num_tokens, out1.label_logits, out1.label_targets)
 
 
 def make_loss_fn(alpha):
     if alpha < 0:
         raise ValueError(f"rdrop_alpha must be >= 0, got {alpha}")
 
-    def loss_fn(model, inputs):
-        model.keep_label_logits = True   # the KL term needs both passes' label logits
-        out1 = model(**inputs)
+    def loss_fn(model, batch):
+        out1 = causal_lm_loss(model, batch, keep_logits=True)   # the KL term needs label logits
         if not model.training:
             return out1
-        return combine(out1, model(**inputs), alpha)
+        return combine(out1, causal_lm_loss(model, batch, keep_logits=True), alpha)
 
     return loss_fn
 

@@ -22,11 +22,14 @@ import paddle
 from .. import parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
+from ..models.loss import causal_lm_loss
 from . import checkpoint as ckpt
 from .optim import AdamW, lr_at
 
 logger = logging.getLogger("paddletune")
-MODEL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "segment_ids")
+# what a training / eval batch feeds the loss: right-padded rows need no attention mask (causal
+# attention never looks right), so the mask is kept for counting real tokens only
+LOSS_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 
 class MapStyleSource:
@@ -67,7 +70,7 @@ class Trainer:
         self.export_fn = export_fn or self._default_export
         self.train_source = train_source
         self.callbacks = list(callbacks)
-        self.loss_fn = loss_fn      # optional f(model, batch) -> CausalLMOutput-like (R-Drop)
+        self.loss_fn = loss_fn or causal_lm_loss   # f(model, batch) -> models.loss.LossOutput
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
         self.optimizer = AdamW(self.trainable.items(), lr_scales, (args.adam_beta1, args.adam_beta2),
                                args.adam_epsilon, args.weight_decay)
@@ -106,12 +109,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def _forward(self, batch):
-        inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
+        """models.loss.LossOutput of one micro-batch (numpy arrays from the collator)."""
+        inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in LOSS_KEYS}
         enabled, dtype, level = self.amp
         with paddle.amp.auto_cast(enable=enabled, dtype=dtype, level=level):
-            if self.loss_fn is not None:
-                return self.loss_fn(self.model, inputs)
-            return self.model(**inputs)
+            return self.loss_fn(self.model, inputs)
 
     def training_step(self, micro_batches, lr):
         """Forward/backward of this rank's micro-batches, DP gradient sum, clip, AdamW.

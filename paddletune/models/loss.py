@@ -1,0 +1,83 @@
+"""The causal-LM training loss, outside the model: shifted cross-entropy at labelled positions.
+
+    out = causal_lm_loss(model, batch)          # batch: input_ids, labels [B, S], ... (tensors)
+    out.loss_sum / out.num_tokens               # summed token CE over the targets / their count
+
+The model returns final-norm hidden states h [B, S, H]; position t predicts labels[t+1]
+(-100 = no loss). Only the n labelled rows of h are projected to the vocabulary:
+    labels [-100, -100, 7, 9] -> rows 1, 2 of h; targets [7, 9].
+Training with a plain linear head (nn.Linear without bias, or a tied embedding) runs the head and
+the loss chunk by chunk (linear_ce.LinearCrossEntropy: no [n, V] logits kept); otherwise (eval,
+`keep_logits`, a wrapped head such as LoRA on lm_head) the label logits [n, V] are formed and
+returned for metrics (accuracy) and R-Drop's KL term.
+
+A parallel layout swaps this function for its own (the Trainer's `loss_fn`): nothing here or in
+a model file assumes where the vocabulary lives, and a sharded head weight is refused rather than
+treated as the whole vocabulary.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from .linear_ce import LinearCrossEntropy
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids")
+
+
+@dataclass
+class LossOutput:
+    loss_sum: paddle.Tensor                      # summed token cross-entropy (float32 scalar)
+    num_tokens: paddle.Tensor                    # n, the number of target tokens (float32)
+    label_logits: Optional[paddle.Tensor] = None   # [n, V] float32, when formed
+    label_targets: Optional[paddle.Tensor] = None  # [n] int64
+
+    @property
+    def loss(self):
+        return self.loss_sum / paddle.clip(self.num_tokens, min=1.0)
+
+
+def linear_head(model):
+    """(W, transposed) when logits = h @ W (W [H, V]) or h @ W^T (a tied embedding [V, H]) with a
+    plain bias-free head; None for a head that must run as a module (LoRA on lm_head, a bias)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return model.get_input_embeddings().weight, True
+    if type(head) is nn.Linear and head.bias is None:
+        return head.weight, False
+    return None
+
+
+def select_targets(hidden, labels):
+    """(h_sel [n, H], targets [n]): hidden rows whose next label is not -100 (shifted by one)."""
+    H = hidden.shape[-1]
+    h = hidden[:, :-1].reshape([-1, H])
+    tgt = labels[:, 1:].reshape([-1])
+    idx = paddle.nonzero(tgt != -100).reshape([-1])
+    return paddle.gather(h, idx), paddle.gather(tgt, idx)
+
+
+def hidden_loss(model, hidden, labels, keep_logits=False):
+    """LossOutput of final-norm `hidden` [B, S, H] against `labels` [B, S] (see module doc)."""
+    h_sel, t_sel = select_targets(hidden, labels)
+    n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
+    matrix = None if (keep_logits or not model.training) else linear_head(model)
+    if matrix is not None and getattr(matrix[0], "is_dist", lambda: False)():
+        raise ValueError("the LM head is sharded: use the parallel layout's loss "
+                         "(paddletune.parallel), not the single-device one")
+    if matrix is not None and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
+        w, transposed = matrix
+        return LossOutput(LinearCrossEntropy.apply(h_sel, w, t_sel, transposed), n, None, t_sel)
+    logits = model.logits(h_sel).astype("float32")
+    loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
+    return LossOutput(loss_sum, n, logits, t_sel)
+
+
+def causal_lm_loss(model, batch, keep_logits=False):
+    """Run `model` on the model inputs of `batch` (a dict of tensors) and return the LossOutput
+    against batch["labels"]."""
+    inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS}
+    hidden = model(**inputs, return_hidden=True).hidden_states
+    return hidden_loss(model, hidden, batch["labels"], keep_logits)

@@ -1,0 +1,138 @@
+"""The one causal-LM forward pass, shared by every model family.
+
+A family's model class subclasses `CausalLM` and defines only its parts (as HF names them):
+
+    get_input_embeddings()   the token embedding (nn.Embedding, weight [V, H])
+    decoder_layers()         nn.LayerList of blocks; each is called as block(h, ctx)
+    final_norm()             the norm after the last block
+    get_output_embeddings()  the LM head (nn.Linear, weight [H, V]), or None when it is tied to
+                             the input embedding (logits = h @ E^T)
+    rope_tables(positions)   the family's rotary tables for positions [B, S]: an object with
+                             `apply_heads_first(x [B, S, heads, D], scale) -> [B, heads, S, D]`
+
+Everything else lives here, once: positions, the attention structure (causal / padding mask or
+packed rows), the KV cache and the learned prefix (`cache_hook`), embedding noise
+(`embedding_hook`), activation recomputation and the flash-attention switch. Blocks receive one
+fixed structure, `BlockContext` (rope tables, mask, cache, flash switch), next to the hidden
+states h [B, S, H]; a pipeline stage can rebuild the context from the batch and pass only h.
+
+The forward returns logits [B, S, V] (or, with return_hidden=True, the final-norm hidden states
+and no logits). The training loss is not part of the model: `models.loss` computes it from the
+hidden states, so a vocabulary-parallel loss can replace it without touching a model file.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import paddle
+import paddle.nn as nn
+
+from .cache import PrefixCache
+from .layers import attention_bias
+
+
+@dataclass
+class CausalLMOutput:
+    """`logits` [B, S, V], or `hidden_states` [B, S, H] (after the final norm) with
+    return_hidden=True."""
+    logits: Optional[paddle.Tensor] = None
+    hidden_states: Optional[paddle.Tensor] = None
+
+
+@dataclass
+class BlockContext:
+    """What every block's attention needs besides the hidden states, built once per forward.
+
+    rope:  the family's rotary tables for this forward's positions
+    mask:  bool [B or 1, 1, S, T] (True = blocked; T = past + S), a layers.PackedRows (zero
+           padding), or None (one new token with a cache: nothing to block)
+    cache: KVCache (generation), PrefixCache (prefix tuning) or None
+    flash: whether packed rows may use the GPU varlen flash-attention kernel"""
+    rope: object
+    mask: object = None
+    cache: object = None
+    flash: bool = False
+
+
+class CausalLM(nn.Layer):
+    """forward(input_ids [B, S], attention_mask [B, past+S] (1 = real), position_ids [B, S],
+    cache (KVCache / PrefixCache), segment_ids [B, S] (packed rows), return_hidden) ->
+    CausalLMOutput. Without a cache, positions start at 0; with one, at cache.length."""
+
+    def __init__(self, config, spec):
+        super().__init__()
+        self.config, self.spec = config, spec
+        self.recompute = False          # recompute each block's activations in backward (training)
+        self.flash_attention = False    # packed rows: GPU varlen flash attention (UNTESTED here)
+        self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
+        # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
+        # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
+        self.cache_hook = None
+
+    # ------------------------------------------------------------------ the parts a family defines
+    def get_input_embeddings(self):
+        raise NotImplementedError
+
+    def decoder_layers(self):
+        raise NotImplementedError
+
+    def final_norm(self):
+        raise NotImplementedError
+
+    def get_output_embeddings(self):
+        raise NotImplementedError
+
+    def rope_tables(self, position_ids):
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the runner
+    def logits(self, h):
+        """h [..., H] -> logits [..., V]."""
+        head = self.get_output_embeddings()
+        if head is None:
+            return paddle.matmul(h, self.get_input_embeddings().weight, transpose_y=True)
+        return head(h)
+
+    def context(self, batch, seq, attention_mask=None, position_ids=None, cache=None,
+                segment_ids=None, dtype="float32"):
+        """(BlockContext, attention_mask): positions, rope tables and the attention structure.
+        The prefix hook (if any) supplies the cache and extends the mask when none is given."""
+        if cache is None and self.cache_hook is not None:
+            cache, attention_mask = self.cache_hook(attention_mask)
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = paddle.arange(past, past + seq, dtype="int64").unsqueeze(0).expand([batch, seq])
+        mask = attention_bias(batch, seq, past, attention_mask, segment_ids, dtype=dtype)
+        return BlockContext(self.rope_tables(position_ids), mask, cache, self.flash_attention)
+
+    def embed(self, input_ids):
+        h = self.get_input_embeddings()(input_ids)
+        return self.embedding_hook(h) if self.embedding_hook is not None else h
+
+    def run_layers(self, h, ctx, layers=None):
+        """Apply `layers` (default: every decoder block) in order."""
+        for layer in (self.decoder_layers() if layers is None else layers):
+            # recompute only where the block input carries a gradient (a frozen embedding's output
+            # does not: recomputing that block would save nothing and paddle warns about it); a
+            # PrefixCache holds no state between calls, so recomputing is safe with it, a KVCache
+            # (generation) is written in place and is not
+            if (self.recompute and self.training and not h.stop_gradient
+                    and (ctx.cache is None or isinstance(ctx.cache, PrefixCache))):
+                from paddle.distributed.fleet.utils import recompute
+
+                h = recompute(layer, h, ctx, use_reentrant=False)
+            else:
+                h = layer(h, ctx)
+        return h
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+                segment_ids=None, return_hidden=False):
+        B, S = input_ids.shape
+        h = self.embed(input_ids)
+        ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype)
+        h = self.run_layers(h, ctx)
+        if ctx.cache is not None:
+            ctx.cache.advance(S)
+        h = self.final_norm()(h)
+        if return_hidden:
+            return CausalLMOutput(hidden_states=h)
+        return CausalLMOutput(logits=self.logits(h))
