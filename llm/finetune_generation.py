@@ -19,12 +19,13 @@ except ImportError:  # running from a source checkout without `pip install -e .`
 from paddletune import parallel, peft, runtime
 from paddletune.args import ArgumentError, parse_args
 from paddletune.data import DataError, build_datasets
+from paddletune.data.collate import padding_collate
 from paddletune.data.packing import build_train_source
 from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import load_config, load_model, resolve_model_path
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
-from paddletune.trainer.checkpoint import latest_checkpoint
+from paddletune.trainer.checkpoint import resume_path
 from paddletune.trainer.metrics import generation_eval_fn
 
 
@@ -34,13 +35,12 @@ def prepare(argv=None):
     model_path = resolve_model_path(model_args.model_name_or_path)
     load_config(model_path)  # config.json readable and of a supported model type
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
-    if args.resume_from_checkpoint is None and not args.overwrite_output_dir:
-        last = latest_checkpoint(args.output_dir)
-        if last is not None:  # PaddleNLP habit: continue an interrupted run in the same output_dir
-            runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)", last)
-            args.resume_from_checkpoint = last
-    if args.resume_from_checkpoint not in (None, "true") and not os.path.isdir(args.resume_from_checkpoint):
-        raise ArgumentError(f"resume_from_checkpoint={args.resume_from_checkpoint!r} is not a directory")
+    explicit = args.resume_from_checkpoint is not None
+    args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
+                                              args.overwrite_output_dir)
+    if args.resume_from_checkpoint and not explicit:   # PaddleNLP habit: rerunning continues
+        runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)",
+                            args.resume_from_checkpoint)
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
     if not args.do_train and not args.do_eval:
@@ -76,7 +76,7 @@ def main(argv=None):
                     train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
     # zero padding / lazy data become the Trainer's train_source (None: padded in-memory batches)
     train_source = build_train_source(data_args, args, tok, train_ds, topo) if train_ds is not None else None
-    model = load_model(model_path, quant=quant_args)   # logs the quantized byte ratio
+    model = load_model(model_path, topology=topo, quant=quant_args)   # logs the quantized byte ratio
     model.flash_attention = model_args.use_flash_attention   # packed rows: varlen flash on GPU
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)
@@ -87,9 +87,12 @@ def main(argv=None):
         eval_fn = generation_eval_fn(dev_ds, tok, generation_config(gen_args, model_path, tok),
                                      args.output_dir, data_args.save_generation_output,
                                      args.per_device_eval_batch_size)
+    collate = padding_collate(tok.pad_token_id or 0, data_args.pad_to_multiple_of,
+                              data_args.pad_to_max_length, data_args.max_length)
     trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok,
-                      trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
-                      lr_scales=setup.lr_scales, eval_fn=eval_fn, train_source=train_source)
+                      collate=collate, trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
+                      lr_scales=setup.lr_scales, eval_fn=eval_fn, train_source=train_source,
+                      topology=topo)
     if args.do_train:
         trainer.train()
     if args.do_eval and dev_ds is not None:

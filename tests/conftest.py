@@ -148,6 +148,36 @@ def launch(script_args, nproc=2, cwd=ROOT, env=None, timeout=600, log_dir=None):
     return run_script(args + list(script_args), cwd=cwd, env=env, timeout=timeout)
 
 
+def launch_cases(cases, tmp_path, nproc=2, timeout=600):
+    """Run test cases on `nproc` launched ranks in ONE launch (tests/launch_cases.py).
+
+    cases: [(name, "module:function", kwargs)] with functions importable from tests/. Returns
+    {name: [result of rank 0, result of rank 1, ...]}; a case that raised on any rank fails here
+    with its traceback and the workers' log tails."""
+    plan_dir = os.path.join(str(tmp_path), "launch")
+    os.makedirs(plan_dir, exist_ok=True)
+    plan = os.path.join(plan_dir, "plan.json")
+    with open(plan, "w") as f:
+        json.dump({"cases": [{"name": n, "target": t, "kwargs": k} for n, t, k in cases]}, f)
+    logs = os.path.join(plan_dir, "log")
+    r = launch([os.path.join(ROOT, "tests", "launch_cases.py"), plan], nproc=nproc,
+               timeout=timeout, log_dir=logs)
+
+    def tails():
+        return "\n".join(f"--- {n}\n" + open(os.path.join(logs, n)).read()[-3000:]
+                         for n in sorted(os.listdir(logs)) if n.startswith("workerlog"))
+
+    assert r.returncode == 0, tails()
+    out = {}
+    for name, _, _ in cases:
+        ranks = [json.load(open(os.path.join(plan_dir, "results", name, f"rank{i}.json")))
+                 for i in range(nproc)]
+        errors = [x["error"] for x in ranks if isinstance(x, dict) and "error" in x]
+        assert not errors, f"case {name} failed:\n{errors[0]}"
+        out[name] = ranks
+    return out
+
+
 def write_jsonl(path, rows):
     os.makedirs(os.path.dirname(str(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

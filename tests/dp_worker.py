@@ -52,33 +52,41 @@ def slow_saves():
     checkpoint.write_safetensors = slow
 
 
-def main():
-    if os.environ.get("PT_SLOW_SAVE"):
-        slow_saves()
-    ckpt_dir, out_dir, micro, accum, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    resume = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
-    save_steps = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+def train_case(ckpt_dir, out_dir, micro, accum, steps, resume=None, save_steps=0):
+    """Train `ckpt_dir` for `steps` optimizer steps of micro x accum x ranks examples; writes the
+    files described in the module docstring and returns the logged losses. A case for
+    tests/launch_cases.py and the body of this script's command line."""
     topo = parallel.init()
     runtime.set_seed(0)
-    model = load_model(ckpt_dir)
+    model = load_model(ckpt_dir, topology=topo)
     ids = []
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                          max_steps=steps, logging_steps=1, learning_rate=1e-3, max_grad_norm=0.5,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                          resume_from_checkpoint=resume, lr_scheduler_type="linear", warmup_steps=1)
     data = variable_length_data()
-    trainer = Trainer(model, args, train_dataset=data, export_fn=lambda d: None,
+    trainer = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology=topo,
                       callbacks=[lambda tr, info: ids.append([mb["example_ids"].tolist() for mb in info["micro_batches"]])])
     trainer.train()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"ids-rank{topo.rank}.json"), "w") as f:
         json.dump(ids, f)
+    losses = [e["loss"] for e in trainer.state["log_history"] if "loss" in e]
     if topo.is_main:
-        losses = [e["loss"] for e in trainer.state["log_history"] if "loss" in e]
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
         hf.write_safetensors(os.path.join(out_dir, "weights.safetensors"),
                              {n: p.numpy() for n, p in model.named_parameters()})
+    return losses
+
+
+def main():
+    if os.environ.get("PT_SLOW_SAVE"):
+        slow_saves()
+    ckpt_dir, out_dir, micro, accum, steps = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    resume = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
+    save_steps = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    train_case(ckpt_dir, out_dir, micro, accum, steps, resume, save_steps)
 
 
 if __name__ == "__main__":

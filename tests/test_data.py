@@ -112,3 +112,30 @@ def test_builtin_sample_files_equal_their_generator():
             assert int(r["tgt"]) == int(a) + int(b)
         if r["src"].startswith("Reverse the words: "):
             assert r["tgt"].split() == r["src"][19:].split()[::-1]
+
+
+@pytest.mark.parametrize("extra,check", [
+    (["--pad_to_multiple_of", "64"], lambda L, longest: L % 64 == 0 and L - longest < 64),
+    (["--pad_to_max_length", "true", "--max_length", "200", "--src_length", "100"],
+     lambda L, longest: L == 200)])
+def test_padded_batches_honour_padding_keys(tmp_path, monkeypatch, extra, check):
+    """The finetune script's default (padded, not packed) batches follow pad_to_multiple_of and
+    pad_to_max_length; every batch's real content is unchanged (a bug once ignored both keys)."""
+    from conftest import ROOT, load_script
+    from paddletune.trainer import Trainer
+
+    mod = load_script("llm/finetune_generation.py")
+    seen = []
+
+    def recording_trainer(*a, **k):
+        k["callbacks"] = [lambda tr, info: seen.extend(
+            (b["input_ids"].shape[1], int(b["attention_mask"].sum(1).max())) for b in info["micro_batches"])]
+        return Trainer(*a, **k)
+
+    monkeypatch.setattr(mod, "Trainer", recording_trainer)
+    code = mod.main([os.path.join(ROOT, "llm", "llama", "sft_argument.json"), "--output_dir", str(tmp_path / "o"),
+                     "--max_steps", "2", "--per_device_train_batch_size", "4", "--do_eval", "false",
+                     "--save_strategy", "no", "--evaluation_strategy", "no", "--load_best_model_at_end",
+                     "false", "--disable_tqdm", "true"] + extra)
+    assert code == 0 and len(seen) == 2
+    assert all(check(L, longest) for L, longest in seen), seen

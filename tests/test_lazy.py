@@ -231,7 +231,7 @@ for row, after in source._rows(source._state):
 cfg = dict(model_type="llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 state = Trainer(build_model(cfg, seed=0), args, train_dataset=train, train_source=source, tokenizer=tok,
-                export_fn=lambda d: None).train()
+                export_fn=lambda d: None, topology=topo).train()
 losses = [r["loss"] for r in state["log_history"] if "loss" in r]
 json.dump({"ids": ids, "losses": losses, "share": [source.lo, source.hi]},
           open(os.path.join(out, f"rank{topo.rank}.json"), "w"))

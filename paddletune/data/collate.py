@@ -37,6 +37,14 @@ def pad_batch(examples, pad_id, pad_to_multiple_of=None, length=None):
     return out
 
 
+def padding_collate(pad_id, pad_to_multiple_of=None, pad_to_max_length=False, max_length=None):
+    """collate(examples) -> pad_batch(...) with DataArgument's padding settings: every batch padded
+    to max_length (pad_to_max_length), else to its longest example rounded up to
+    pad_to_multiple_of (when set)."""
+    length = max_length if pad_to_max_length else None
+    return lambda examples: pad_batch(examples, pad_id, pad_to_multiple_of, length)
+
+
 class BatchPlan:
     def __init__(self, num_examples, micro_batch, accumulation, dp_world=1, dp_rank=0, seed=42,
                  shuffle=True, drop_last=False):

@@ -119,9 +119,14 @@ def _unmap(reader, name):
 def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     """Load a HF-format checkpoint directory as a paddle model in eval mode.
 
-    `quant` (a QuantArgument with weight_quantize_algo set, or a quant.QuantConfig) quantizes
-    the frozen Linear weights while they stream in: parameters are created under
-    paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never allocates its weight."""
+    `topology` (parallel.Topology) says which part of the model this rank holds; every rank of a
+    data-parallel layout holds all of it. `quant` (a QuantArgument with weight_quantize_algo set,
+    or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
+    are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
+    allocates its weight."""
+    if topology is not None and (topology.tp_degree > 1 or topology.pp_degree > 1):
+        raise NotImplementedError(f"load_model: the layout {topology.describe()} splits the model, "
+                                  "which is not built yet; use data parallelism only")
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
     model = build_model(cfg)

@@ -76,11 +76,18 @@ class SafetensorsFile:
 
     def get(self, name, axis=None, start=None, stop=None):
         """Tensor (or the slice [start:stop) along `axis`) as a new numpy array; bf16 -> float32."""
-        view, code = self._raw(name)
+        index = None
         if axis is not None:
-            idx = [slice(None)] * view.ndim
-            idx[axis] = slice(start, stop)
-            view = view[tuple(idx)]
+            index = [slice(None)] * len(self.shape(name))
+            index[axis] = slice(start, stop)
+        return self.get_box(name, index)
+
+    def get_box(self, name, index=None):
+        """Tensor[index] (a tuple/list of slices, one per axis; None = all) as a new numpy array,
+        reading only the selected bytes from the map; bf16 -> float32."""
+        view, code = self._raw(name)
+        if index is not None:
+            view = view[tuple(index)]
         arr = np.array(view)  # copy out of the memory map
         return bf16_to_f32(arr) if code == "BF16" else arr
 

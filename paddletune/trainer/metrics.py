@@ -165,21 +165,20 @@ def generation_eval_fn(dataset, tokenizer, gen_config, output_dir=None, save_out
     so every rank returns the same {"bleu4", "rouge1", "rouge2", "rougel"}. With save_output,
     rank 0 writes output_dir/generated_output.json (JSON lines {"src", "tgt", "output"},
     replaced atomically at each evaluation)."""
-    from .. import parallel
     from ..generation import generate
 
     eos = set(gen_config.eos_token_id or [tokenizer.eos_token_id])
     pairs = [split_source_target(dataset[i], eos) for i in range(len(dataset))]
 
     def eval_fn(trainer):
-        topo = parallel.topology()
-        mine = list(range(topo.dp_rank, len(pairs), topo.dp_degree))
+        topo = trainer.topo
+        mine = list(range(topo.data_rank, len(pairs), topo.data_degree))
         rows = []
         for k in range(0, len(mine), batch_size):
             idx = mine[k:k + batch_size]
             out = generate(trainer.model, [pairs[i][0] for i in idx], gen_config, tokenizer=tokenizer)
             rows += [[i, out.texts[j]] for j, i in enumerate(idx)]
-        gathered = sorted(r for part in parallel.all_gather_json(rows) for r in part)
+        gathered = sorted({tuple(r) for part in topo.all_gather_json(rows) for r in part})
         preds = [text for _, text in gathered]
         refs = [tokenizer.decode(pairs[i][1], skip_special_tokens=True) for i, _ in gathered]
         if save_output and topo.is_main and output_dir:

@@ -8,7 +8,8 @@ accumulation 1, batch 1 x accumulation 4 and 2 ranks x batch 2 agree however len
 
 Per step: forward/backward of this rank's micro-batches -> gradients summed over data-parallel
 ranks -> global-norm clipping -> AdamW -> (log, eval, checkpoint as configured).
-Only rank 0 writes logs, checkpoints and the final model.
+The layout comes from an explicit parallel.Topology. Rank 0 writes logs and the final model;
+checkpoints are written by every rank that holds a distinct slice (trainer/checkpoint.py).
 """
 import json
 import logging
@@ -53,14 +54,15 @@ class Trainer:
     export_fn(out_dir) writes the final model (HF directory, or adapter files for PEFT); it
     defaults to models.save_pretrained. `trainable` ({name: param}) defaults to every parameter
     with stop_gradient False. `train_source` replaces the default MapStyleSource (packing, lazy
-    data). `callbacks` are called as cb(trainer, step_info) after every optimizer step."""
+    data). `callbacks` are called as cb(trainer, step_info) after every optimizer step.
+    `topology` is the parallel.Topology of this process (default: parallel.init(args))."""
 
     def __init__(self, model, args, train_dataset=None, eval_dataset=None, tokenizer=None,
                  export_fn=None, trainable=None, collate=None, train_source=None, callbacks=(),
-                 lr_scales=None, loss_fn=None, eval_fn=None):
+                 lr_scales=None, loss_fn=None, eval_fn=None, topology=None):
         self.model, self.args, self.tokenizer = model, args, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.topo = parallel.topology()
+        self.topo = topology if topology is not None else parallel.init(args)
         pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
         self.collate = collate or (lambda ex: pad_batch(ex, pad_id))
         self.trainable = trainable if trainable is not None else {
@@ -93,7 +95,7 @@ class Trainer:
             return self.train_source
         a = self.args
         plan = BatchPlan(len(self.train_dataset), a.per_device_train_batch_size,
-                         a.gradient_accumulation_steps, self.topo.dp_degree, self.topo.dp_rank,
+                         a.gradient_accumulation_steps, self.topo.data_degree, self.topo.data_rank,
                          seed=a.data_seed if a.data_seed is not None else a.seed,
                          drop_last=a.dataloader_drop_last)
         self.train_source = MapStyleSource(self.train_dataset, plan, self.collate)
@@ -117,11 +119,13 @@ class Trainer:
 
     def training_step(self, micro_batches, lr):
         """Forward/backward of this rank's micro-batches, DP gradient sum, clip, AdamW.
-        Returns tensors (no host sync): loss (global batch mean), grad norm."""
+        Returns (loss: the global batch's mean token loss, a tensor; grad norm, a tensor; target
+        tokens and real tokens of the global batch, floats). Host syncs per step: the token counts
+        (summed over ranks before the first backward) and the gradient norm (for clipping)."""
         n_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
-        n_global, real_global = parallel.all_reduce_scalars([n_local, real_local])
+        n_global, real_global = self.topo.all_reduce_scalars([n_local, real_local])
         loss_acc = paddle.zeros([], "float32")
         for b in micro_batches:
             loss_sum = self._forward(b).loss_sum
@@ -132,7 +136,7 @@ class Trainer:
         names = list(self.trainable)
         grads = [self.trainable[n].grad if self.trainable[n].grad is not None
                  else paddle.zeros(self.trainable[n].shape, self.trainable[n].dtype) for n in names]
-        grads = parallel.all_reduce_grads(grads)
+        grads = self.topo.all_reduce_grads(grads)
         # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
         # per step lets clipping scale in place with a python float (no temporaries)
         norm = paddle.sqrt(paddle.add_n([paddle.square(g.astype("float32")).sum() for g in grads]))
@@ -210,7 +214,7 @@ class Trainer:
             self.save_checkpoint()
 
     def _log_interval(self, info, interval):
-        loss = float(parallel.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
+        loss = float(self.topo.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
         dt = max(time.time() - interval["t0"], 1e-9)
         norm = float(interval["norm"])
         self._check_finite(loss, norm, info["lr"])
@@ -247,8 +251,8 @@ class Trainer:
             if self.train_dataset is not None and hasattr(self.train_dataset, "__len__"):
                 logger.info("  examples = %d", len(self.train_dataset))
             logger.info("  micro batch = %d, accumulation = %d, data-parallel ranks = %d, global batch = %d",
-                        a.per_device_train_batch_size, a.gradient_accumulation_steps, self.topo.dp_degree,
-                        a.per_device_train_batch_size * a.gradient_accumulation_steps * self.topo.dp_degree)
+                        a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                        self.topo.data_degree, self.global_batch())
             logger.info("  optimizer steps = %d (starting at %d)", total, self.state["global_step"])
             logger.info("trainable params: {:,} / {:,} ({:.2%})".format(n_train, n_all, n_train / max(n_all, 1)))
 
@@ -259,7 +263,7 @@ class Trainer:
         a, ds = self.args, self.eval_dataset
         was_training = self.model.training
         self.model.eval()
-        bs, world, rank = a.per_device_eval_batch_size, self.topo.dp_degree, self.topo.dp_rank
+        bs, world, rank = a.per_device_eval_batch_size, self.topo.data_degree, self.topo.data_rank
         batches = [list(range(i, min(i + bs, len(ds)))) for i in range(0, len(ds), bs)]
         if a.max_evaluate_steps and a.max_evaluate_steps > 0:
             batches = batches[:a.max_evaluate_steps]
@@ -271,7 +275,7 @@ class Trainer:
             loss_sum += out.loss_sum.astype("float32")
             count += out.num_tokens
             correct += (out.label_logits.argmax(-1) == out.label_targets).astype("float32").sum()
-        total = parallel.all_reduce_sum(paddle.stack([loss_sum, count, correct]))
+        total = self.topo.all_reduce_sum(paddle.stack([loss_sum, count, correct]))
         loss_sum, count, correct = (float(x) for x in total.numpy())
         loss = loss_sum / max(count, 1.0)
         metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
@@ -304,70 +308,115 @@ class Trainer:
                 f"(learning rate {lr:.3g}). Lower learning_rate, add warmup_steps, or set max_grad_norm; "
                 "the last checkpoint (if any) is still valid")
 
+    def global_batch(self):
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps * self.topo.data_degree
+
+    def _data_positions(self):
+        """Each data-parallel rank's stream position, in data-rank order (tensor / pipeline peers
+        of a replica read the same stream: one entry per replica)."""
+        t = self.topo
+        parts = t.all_gather_json({"data_rank": t.data_rank, "lead": t.tp_rank == 0 and t.pp_rank == 0,
+                                   "state": self.train_source.state_dict()})
+        return [p["state"] for p in sorted((p for p in parts if p["lead"]), key=lambda p: p["data_rank"])]
+
+    def _pieces(self):
+        """This rank's slices of the trainable tensors and their optimizer state."""
+        tensors, meta = self.optimizer.state_dict()
+        return ckpt.whole(ckpt.arrays(self.trainable)), ckpt.whole(tensors), meta
+
     def save_checkpoint(self):
         step = self.state["global_step"]
         if self._last_norm is not None:
             self._check_finite(0.0, float(self._last_norm), self._last_lr)
-        rngs = parallel.all_gather_json(ckpt.rng_state())
+        rngs = self.topo.all_gather_json({"rank": self.topo.rank, "coords": self.topo.coords,
+                                          "state": ckpt.rng_state()})
         # streamed data (lazy) cannot be re-derived from the step: keep each rank's position
-        data = (parallel.all_gather_json(self.train_source.state_dict())
-                if hasattr(self.train_source, "state_dict") else None)
+        data = self._data_positions() if hasattr(self.train_source, "state_dict") else None
+        model_pieces, optim_pieces, meta = self._pieces()
+        state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size,
+                     degrees=dict(self.topo.degrees), global_batch=self.global_batch())
+        if data is not None:
+            state["data_state"] = data
         if self.main:
-            tensors, meta = self.optimizer.state_dict()
-            state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size)
-            if data is not None:
-                state["data_state"] = data
             ckpt.clean_temp_dirs(self.args.output_dir)
-            path = ckpt.save_checkpoint(self.checkpoint_path(step), ckpt.arrays(self.trainable), tensors, state)
+        # data-parallel replicas hold the same slices: the first data rank of each writes them
+        path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
+                                    state, writer=self.topo.data_rank == 0)
+        if self.main:
             best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
             logger.info("checkpoint saved: %s", path)
-        parallel.barrier()
+        self.topo.barrier()
 
     def _resume(self, which):
-        path = which
-        if str(which).lower() == "true":
-            path = ckpt.latest_checkpoint(self.args.output_dir)
-            if path is None:
-                raise FileNotFoundError(f"resume_from_checkpoint=true but {self.args.output_dir} "
-                                        "holds no complete checkpoint-N directory")
-        model_state, optim, state = ckpt.load_checkpoint(path)
-        self._load_trainable(model_state, path)
-        self.optimizer.load_state_dict(optim, state.pop("optimizer"))
+        path = ckpt.resume_path(self.args.output_dir, which)
+        reader = ckpt.CheckpointReader(path)
+        state = reader.trainer_state()
+        self._check_resume_layout(state, path)
+        self._load_trainable(reader, path)
+        names = [f"{n}.{s}" for n in self.trainable for s in ("exp_avg", "exp_avg_sq")]
+        missing = [k for k in names if k not in reader.index["optimizer"]]
+        if missing:
+            raise ValueError(f"{path}: optimizer state lacks {missing[0]}: checkpoint from a different setup?")
+        self.optimizer.load_state_dict({k: reader.read(k, "optimizer") for k in names}, state.pop("optimizer"))
+        reader.release()
         rngs = state.pop("rng")
         data = state.pop("data_state", None)
         if data is not None and hasattr(self._source(), "load_state_dict"):
-            self._source().load_state_dict(data[min(self.topo.rank, len(data) - 1)])
-        if state.pop("world_size", 1) == self.topo.world_size:
-            ckpt.set_rng_state(rngs[self.topo.rank])
+            self._source().load_state_dict(data[self.topo.data_rank])
+        degrees = state.pop("degrees", {"dp": state.get("world_size", 1), "pp": 1, "sharding": 1, "tp": 1})
+        state.pop("world_size", None)
+        state.pop("global_batch", None)
+        if degrees == self.topo.degrees:
+            saved = rngs[self.topo.rank]
+            ckpt.set_rng_state(saved["state"] if isinstance(saved, dict) else saved)
         else:
-            logger.warning("resuming with %d ranks from a %d-rank checkpoint: dropout RNG restarts",
-                           self.topo.world_size, len(rngs))
+            logger.warning("resuming under another layout (%s, checkpoint: %s): dropout RNG streams "
+                           "are not carried over, they continue from the seed",
+                           self.topo.describe(), ", ".join(f"{k}={v}" for k, v in degrees.items()))
         self.state.update(state)
         if self.main:
             logger.info("resumed from %s at step %d", path, self.state["global_step"])
 
-    def _load_trainable(self, model_state, path):
-        missing = [n for n in self.trainable if n not in model_state]
+    def _check_resume_layout(self, state, path):
+        """Another layout may resume a checkpoint as long as every step sees the same data: the
+        global batch must be equal; streamed data needs the same number of data ranks."""
+        saved = state.get("global_batch")
+        if saved is not None and saved != self.global_batch():
+            raise ValueError(
+                f"{path} was written with a global batch of {saved} examples per step, this run has "
+                f"{self.global_batch()} (per_device_train_batch_size x gradient_accumulation_steps x "
+                f"{self.topo.data_degree} data-parallel ranks); resume needs the same global batch")
+        data = state.get("data_state")
+        if data is not None and len(data) != self.topo.data_degree:
+            raise ValueError(f"{path} holds the stream positions of {len(data)} data-parallel ranks "
+                             f"(lazy data); this run has {self.topo.data_degree}: resume streamed "
+                             "data with the same number of data-parallel ranks")
+
+    def _load_trainable(self, reader, path):
+        """Read each trainable tensor's slice from the checkpoint (any layout wrote it)."""
+        missing = [n for n in self.trainable if n not in reader.index["model"]]
         if missing:
             raise ValueError(f"{path}: checkpoint lacks trainable tensors {missing[:3]} "
                              "(was it written by a different model or PEFT method?)")
         for n, p in self.trainable.items():
-            if list(model_state[n].shape) != list(p.shape):
-                raise ValueError(f"{path}: {n} has shape {list(model_state[n].shape)}, model has {list(p.shape)}")
-            p.set_value(model_state[n])
+            if reader.global_shape(n) != list(p.shape):
+                raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {list(p.shape)}")
+            p.set_value(reader.read(n))
 
     def _finish(self):
         a, st = self.args, self.state
         if a.load_best_model_at_end and st["best_step"]:
             path = self.checkpoint_path(st["best_step"])
             if os.path.isdir(path):
-                model_state, _, _ = ckpt.load_checkpoint(path)
-                self._load_trainable(model_state, path)
+                reader = ckpt.CheckpointReader(path)
+                self._load_trainable(reader, path)
+                reader.release()
                 if self.main:
                     logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
                                 st["best_metric"], path)
         if self.main:
             self.export_fn(a.output_dir)
             logger.info("model saved to %s", os.path.abspath(a.output_dir))
-        parallel.barrier()
+        self.topo.barrier()

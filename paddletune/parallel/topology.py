@@ -1,0 +1,192 @@
+"""Process topology: parallel degrees, this rank's coordinates, and the process groups.
+
+    topo = paddletune.parallel.init(training_args)     # once per process, after the launcher
+    topo.data_degree, topo.data_rank                   # who reads which share of a global batch
+    topo.all_reduce_sum(t)                             # over the data-parallel ranks (default)
+
+Ranks are laid out as PaddleNLP / fleet order them, outermost first: dp, pp, sharding, mp (tensor
+parallel innermost, so the ranks of one tensor-parallel group are adjacent):
+    rank = ((dp_rank * pp + pp_rank) * sharding + sharding_rank) * tp + tp_rank
+Example, 8 ranks as dp 2 x pp 2 x tp 2: rank 5 = dp 1, pp 0, tp 1; its tensor-parallel group is
+[4, 5], its data-parallel group [1, 5].
+
+Data is split over dp x sharding ranks (sharding ranks are data-parallel ranks that also split
+optimizer state); tensor- and pipeline-parallel ranks of one replica read the same batch.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import numpy as np
+
+AXES = ("dp", "pp", "sharding", "tp")
+
+
+class TopologyError(ValueError):
+    """A parallel layout that cannot be built (message names both numbers)."""
+
+
+def degrees_from_args(args, world_size):
+    """{axis: degree} from TrainingArguments under PaddleNLP's rules: a degree of -1 or 1 is off;
+    sharding_parallel_degree -1 with `sharding` set takes every remaining rank; dp is inferred as
+    world / (tp * pp * sharding) and must come out whole."""
+    def deg(v):
+        return 1 if v in (None, -1, 0, 1) else int(v)
+
+    tp = deg(getattr(args, "tensor_parallel_degree", 1))
+    pp = deg(getattr(args, "pipeline_parallel_degree", 1))
+    sharding_on = bool(getattr(args, "sharding", ""))
+    sd = getattr(args, "sharding_parallel_degree", -1)
+    if sharding_on and sd in (None, -1):
+        if world_size % (tp * pp):
+            raise TopologyError(f"world size {world_size} is not divisible by tensor_parallel_degree "
+                                f"x pipeline_parallel_degree = {tp * pp}")
+        sd = world_size // (tp * pp)
+    sharding = deg(sd) if sharding_on else 1
+    inner = tp * pp * sharding
+    if world_size % inner:
+        raise TopologyError(
+            f"world size {world_size} (launched processes) is not divisible by tensor_parallel_degree "
+            f"{tp} x pipeline_parallel_degree {pp} x sharding_parallel_degree {sharding} = {inner}; "
+            "launch a multiple of that many processes or change the degrees")
+    return {"dp": world_size // inner, "pp": pp, "sharding": sharding, "tp": tp}
+
+
+def coordinates(rank, degrees):
+    """{axis: index} of `rank` in the dp x pp x sharding x tp grid (see the module docstring)."""
+    shape = [degrees[a] for a in AXES]
+    return dict(zip(AXES, (int(i) for i in np.unravel_index(rank, shape))))
+
+
+def group_ranks(rank, degrees, axis):
+    """Global ranks of `rank`'s group along `axis` ("data" = the dp and sharding axes together),
+    in order."""
+    grid = np.arange(int(np.prod([degrees[a] for a in AXES]))).reshape([degrees[a] for a in AXES])
+    c = coordinates(rank, degrees)
+    axes = ("dp", "sharding") if axis == "data" else (axis,)
+    index = tuple(slice(None) if a in axes else c[a] for a in AXES)
+    return [int(r) for r in grid[index].reshape(-1)]
+
+
+@dataclass
+class Topology:
+    """This process's place in the job. Groups are paddle process groups (None = the world group
+    or a single rank); collectives below are no-ops along an axis of degree 1."""
+    world_size: int = 1
+    rank: int = 0
+    degrees: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in AXES})
+    coords: Dict[str, int] = field(default_factory=lambda: {a: 0 for a in AXES})
+    groups: Dict[str, object] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- degrees and coordinates
+    dp_degree = property(lambda self: self.degrees["dp"])
+    tp_degree = property(lambda self: self.degrees["tp"])
+    pp_degree = property(lambda self: self.degrees["pp"])
+    sharding_degree = property(lambda self: self.degrees["sharding"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    tp_rank = property(lambda self: self.coords["tp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    sharding_rank = property(lambda self: self.coords["sharding"])
+
+    @property
+    def data_degree(self):
+        """Ranks that read disjoint shares of a global batch: dp x sharding."""
+        return self.degrees["dp"] * self.degrees["sharding"]
+
+    @property
+    def data_rank(self):
+        return self.coords["dp"] * self.degrees["sharding"] + self.coords["sharding"]
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def ranks(self, axis):
+        """Global ranks of this rank's group along `axis` (dp, pp, sharding, tp or data)."""
+        return group_ranks(self.rank, self.degrees, axis)
+
+    def size(self, axis):
+        return len(self.ranks(axis))
+
+    def describe(self):
+        return ", ".join(f"{a}={self.degrees[a]}" for a in AXES)
+
+    # ---------------------------------------------------------------- collectives
+    def _group(self, axis):
+        """(group, size) for a collective along `axis`; size 1 means nothing to do."""
+        n = self.size(axis)
+        if n <= 1:
+            return None, 1
+        return (None if n == self.world_size else self.groups[axis]), n
+
+    def all_reduce_sum(self, t, axis="data"):
+        """Sum tensor `t` over the ranks of `axis` in place; returns it."""
+        import paddle.distributed as dist
+
+        group, n = self._group(axis)
+        if n > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    def all_reduce_scalars(self, values, axis="data") -> List[float]:
+        """Sum a list of python floats over the ranks of `axis` with one collective."""
+        if self.size(axis) <= 1:
+            return [float(v) for v in values]
+        import paddle
+
+        t = paddle.to_tensor([float(v) for v in values], dtype="float64")
+        self.all_reduce_sum(t, axis)
+        return [float(v) for v in t.numpy()]
+
+    def all_reduce_grads(self, grads, axis="data", bucket_numel=1 << 24):
+        """Sum gradient tensors over the ranks of `axis`; returns the summed list. Gradients are
+        flattened into few large buckets: one collective per bucket, not per tensor."""
+        if self.size(axis) <= 1:
+            return grads
+        out, bucket, size = [], [], 0
+        for g in grads:
+            bucket.append(g)
+            size += g.size
+            if size >= bucket_numel:
+                out += self._reduce_bucket(bucket, axis)
+                bucket, size = [], 0
+        if bucket:
+            out += self._reduce_bucket(bucket, axis)
+        return out
+
+    def _reduce_bucket(self, grads, axis):
+        import paddle
+
+        flat = paddle.concat([g.reshape([-1]) for g in grads])
+        self.all_reduce_sum(flat, axis)
+        sizes = [g.size for g in grads]
+        return [piece.reshape(g.shape) for piece, g in zip(paddle.split(flat, sizes), grads)]
+
+    def barrier(self):
+        if self.world_size > 1:
+            import paddle.distributed as dist
+
+            dist.barrier()
+
+    def all_gather_json(self, obj):
+        """[obj of rank 0, obj of rank 1, ...] over the whole job, for a JSON-able obj."""
+        if self.world_size <= 1:
+            return [obj]
+        import json
+
+        import paddle
+        import paddle.distributed as dist
+
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
+        sizes = []
+        dist.all_gather(sizes, paddle.to_tensor([len(data)], dtype="int64"))
+        longest = max(int(s.numpy()[0]) for s in sizes)
+        padded = np.zeros(longest, np.int32)
+        padded[:len(data)] = data
+        parts = []
+        dist.all_gather(parts, paddle.to_tensor(padded))
+        return [json.loads(p.numpy()[:int(s.numpy()[0])].astype(np.uint8).tobytes().decode())
+                for p, s in zip(parts, sizes)]
