@@ -207,6 +207,12 @@ class CheckpointReader:
             st.release()
 
 
+def read_tensors(path):
+    """{name: array} of every tensor in one safetensors file."""
+    st = SafetensorsFile(path)
+    return {k: st.get(k) for k in st.keys()}
+
+
 def load_checkpoint(path):
     """(model_state, optimizer tensors, trainer_state) of checkpoint dir `path`, whole tensors."""
     r = CheckpointReader(path)
