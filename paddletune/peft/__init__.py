@@ -38,9 +38,10 @@ class PeftSetup:
 
 
 def selected(model_args):
+    """The selection method of `model_args`, or None. args.py refuses two in one argument file;
+    the assert is for programmatic callers."""
     chosen = [k for k in SELECTION if getattr(model_args, k, False)]
-    if len(chosen) > 1:
-        raise ValueError(f"{' and '.join(chosen)} cannot be combined in one run: choose one PEFT method")
+    assert len(chosen) <= 1, f"{' and '.join(chosen)} cannot be combined in one run: choose one PEFT method"
     return chosen[0] if chosen else None
 
 

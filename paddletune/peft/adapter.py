@@ -84,8 +84,7 @@ def setup(model, make, what):
 
 def apply(model, model_args):
     size = model_args.adapter_size
-    if size <= 0:
-        raise ValueError(f"adapter_size must be positive, got {size}")
+    assert size > 0, f"adapter_size must be positive, got {size}"   # args.py checks argument files
     trainable, _ = setup(model, lambda base: AdapterLinear(base, size), f"adapter (size {size})")
     return trainable
 

@@ -44,8 +44,8 @@ def _make(size, rank):
 
 def apply(model, model_args):
     size, rank = model_args.adapter_size, model_args.lowrank_adapter_rank
-    if size <= 0 or rank <= 0:
-        raise ValueError(f"adapter_size and lowrank_adapter_rank must be positive, got {size}, {rank}")
+    assert size > 0 and rank > 0, (   # args.py checks argument files
+        f"adapter_size and lowrank_adapter_rank must be positive, got {size}, {rank}")
     trainable, _ = _adapter.setup(model, _make(size, rank),
                                   f"low-rank adapter (size {size}, rank {rank})")
     return trainable

@@ -252,15 +252,13 @@ class QuantConfig:
     double_quant_blocksize: int = 256
 
     def __post_init__(self):
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"weight_quantize_algo={self.algo!r} is not supported; "
-                             f"choose one of {sorted(ALGORITHMS)}")
-        if self.blocksize <= 0 or self.blocksize % 2:
-            raise ValueError(f"weight_blocksize={self.blocksize} must be a positive even number "
-                             "(two 4-bit codes per byte), e.g. 64")
-        if self.double_quant_blocksize <= 0:
-            raise ValueError(f"weight_double_quant_block_size={self.double_quant_blocksize} "
-                             "must be positive, e.g. 256")
+        # argument files are checked in args.py (choices, _check_quant); these asserts are for
+        # programmatic callers building a QuantConfig themselves
+        assert self.algo in ALGORITHMS, f"algo {self.algo!r} is not one of {sorted(ALGORITHMS)}"
+        assert self.blocksize > 0 and self.blocksize % 2 == 0, (
+            f"blocksize {self.blocksize} must be positive and even (two 4-bit codes per byte)")
+        assert self.double_quant_blocksize > 0, (
+            f"double_quant_blocksize {self.double_quant_blocksize} must be positive")
 
 
 # ----------------------------------------------------------------------------- the layer
