@@ -206,10 +206,8 @@ CLASSES = (ModelArgument, DataArgument, QuantArgument, GenerateArgument, Trainin
 TABLE = {f.name: (cls, f) for cls in CLASSES for f in dataclasses.fields(cls)}
 REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
-# key -> where it lands, for features not built yet: a non-default value is refused until then
-FEATURE_NOT_YET = {
-}
-# parallel degrees: values above 1 are refused until the parallel issues land
+# parallel degrees: values above 1 are refused until the parallel issues land (_check_parallel);
+# `sharding` over several ranks goes with sharding_parallel_degree
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
                     "pipeline_parallel_degree": "pipeline-parallel issue",
                     "sharding_parallel_degree": "sharding issue"}
@@ -285,9 +283,20 @@ def help_text():
             m = f.metadata
             tag = {"implemented": "", "no_effect": " [accepted, no effect here]",
                    "refused": " [refused]"}[m["status"]]
+            tag = f" [{_not_yet(f.name)}]" if _not_yet(f.name) else tag
             lines.append(f"  --{f.name} ({_type_of(f).__name__}, default {f.default if f.default is not dataclasses.MISSING else '[]'}){tag}")
             lines.append(f"      {m['help']}" + (f" ({m['why']})" if m["why"] and m["status"] != "implemented" else ""))
     return "\n".join(lines)
+
+
+def _not_yet(name):
+    """The table's status of a parallel key whose feature is not built yet, else None."""
+    if name in PARALLEL_NOT_YET:
+        return f"refused above 1 until the {PARALLEL_NOT_YET[name]}"
+    if name == "sharding" and "sharding_parallel_degree" in PARALLEL_NOT_YET:
+        return (f"refused over more than one rank until the "
+                f"{PARALLEL_NOT_YET['sharding_parallel_degree']} (warns with one)")
+    return None
 
 
 def markdown_table():
@@ -295,10 +304,9 @@ def markdown_table():
     rows = ["| key | group | default | status | meaning |", "|---|---|---|---|---|"]
     for name, (cls, f) in TABLE.items():
         m = f.metadata
-        status = {"implemented": "implemented", "no_effect": "accepted, warns: " + (m["why"] or ""),
-                  "refused": "refused: " + (m["why"] or "")}[m["status"]]
-        if name in FEATURE_NOT_YET:
-            status = "refused until " + FEATURE_NOT_YET[name]
+        status = _not_yet(name) or {"implemented": "implemented",
+                                    "no_effect": "accepted, warns: " + (m["why"] or ""),
+                                    "refused": "refused: " + (m["why"] or "")}[m["status"]]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{name}` | {cls.__name__} | `{default}` | {status} | {m['help']} |")
     return "\n".join(rows)
@@ -381,8 +389,6 @@ def build(values, sources=None, warn=None):
         status = f.metadata["status"]
         if v != default and status == "refused":
             raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not supported: {f.metadata['why']}")
-        if v != default and name in FEATURE_NOT_YET:
-            raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not available yet ({FEATURE_NOT_YET[name]})")
         if v != default and status == "no_effect":
             warn(f"'{key}: {json.dumps(value)}' has no effect here: {f.metadata['why']}")
         kwargs[cls][name] = v
