@@ -28,25 +28,34 @@ def _kaiming(fan_in):
     return nn.initializer.Uniform(-b, b)
 
 
-class AdapterLinear(nn.Layer):
-    """base_layer(x) followed by a residual bottleneck: y + up(gelu(down(y)))."""
+def dense_projections(H, size):
+    """(down, up) of the plain adapter: Linear(H, size) Kaiming-uniform, Linear(size, H) zero."""
+    zero = nn.initializer.Constant(0.0)
+    return (nn.Linear(H, size, weight_attr=_kaiming(H), bias_attr=zero),
+            nn.Linear(size, H, weight_attr=zero, bias_attr=zero))
 
-    def __init__(self, base_layer, size):
+
+class AdapterLinear(nn.Layer):
+    """base_layer(x) followed by a residual bottleneck: y + up(gelu(down(y))).
+
+    `projections(H, size) -> (down, up)` builds the two projections (H = the base layer's output
+    size); they become the sublayers adapter_down / adapter_up, whose names are the saved tensor
+    names. The default is dense_projections; lowrank_adapter.py passes factorised ones."""
+
+    def __init__(self, base_layer, size, projections=dense_projections):
         super().__init__()
         self.base_layer = base_layer
         self.in_features, self.out_features = linear_dims(base_layer)
-        H = self.out_features
-        self.adapter_down = nn.Linear(H, size, weight_attr=_kaiming(H),
-                                      bias_attr=nn.initializer.Constant(0.0))
-        self.adapter_up = nn.Linear(size, H, weight_attr=nn.initializer.Constant(0.0),
-                                    bias_attr=nn.initializer.Constant(0.0))
+        self.adapter_down, self.adapter_up = projections(self.out_features, size)
 
     def bottleneck(self, y):
         return self.adapter_up(F.gelu(self.adapter_down(y)))
 
     def forward(self, x):
         y = self.base_layer(x)
-        return y + self.bottleneck(y.astype(self.adapter_up.weight.dtype)).astype(y.dtype)
+        # the bottleneck runs in its parameters' dtype (float32 adapters over a lower-precision base)
+        dtype = self.adapter_up.parameters()[0].dtype
+        return y + self.bottleneck(y.astype(dtype)).astype(y.dtype)
 
 
 def targets(model):
