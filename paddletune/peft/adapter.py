@@ -78,7 +78,7 @@ def adapter_state(model):
     return {n: p for n, p in model.named_parameters() if ".adapter_" in n}
 
 
-def setup(model, make, what):
+def wrap_targets(model, make, what):
     """Freeze, wrap every target with make(base), return the trainable dict."""
     freeze(model)
     names = targets(model)
@@ -94,7 +94,7 @@ def setup(model, make, what):
 def apply(model, model_args):
     size = model_args.adapter_size
     assert size > 0, f"adapter_size must be positive, got {size}"   # args.py checks argument files
-    trainable, _ = setup(model, lambda base: AdapterLinear(base, size), f"adapter (size {size})")
+    trainable, _ = wrap_targets(model, lambda base: AdapterLinear(base, size), f"adapter (size {size})")
     return trainable
 
 
@@ -103,6 +103,11 @@ def export_fn(model, model_args, tokenizer=None, peft_type=PEFT_TYPE, extra=None
             "base_model_name_or_path": base_name_for_config(model_args.model_name_or_path)}
     conf.update(extra or {})
     return lambda out_dir: save_own(model, out_dir, peft_type, conf, adapter_state(model), tokenizer)
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply."""
+    return apply(model, model_args), None, export_fn(model, model_args, tokenizer)
 
 
 def targets_of(model):

@@ -46,14 +46,19 @@ def apply(model, model_args):
     size, rank = model_args.adapter_size, model_args.lowrank_adapter_rank
     assert size > 0 and rank > 0, (   # args.py checks argument files
         f"adapter_size and lowrank_adapter_rank must be positive, got {size}, {rank}")
-    trainable, _ = _adapter.setup(model, _make(size, rank),
-                                  f"low-rank adapter (size {size}, rank {rank})")
+    trainable, _ = _adapter.wrap_targets(model, _make(size, rank),
+                                         f"low-rank adapter (size {size}, rank {rank})")
     return trainable
 
 
 def export_fn(model, model_args, tokenizer=None):
     return _adapter.export_fn(model, model_args, tokenizer, PEFT_TYPE,
                               {"lowrank_adapter_rank": model_args.lowrank_adapter_rank})
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply."""
+    return apply(model, model_args), None, export_fn(model, model_args, tokenizer)
 
 
 def load(model, path, trainable=False):
