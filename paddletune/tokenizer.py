@@ -31,13 +31,15 @@ def _content(tok):
 
 
 def _tokenizer_class(path):
-    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class, where one is needed:
-    ChatGLM numbers its special tokens after the sentencepiece vocabulary."""
+    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
+    one (models/family_extras.py says which), else Tokenizer."""
     conf = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(conf) and read_json(conf).get("tokenizer_class") == "ChatGLMTokenizer":
-        from .models.chatglm_tokenizer import ChatGLMTokenizer
+    if os.path.exists(conf):
+        from .models.family_extras import tokenizer_class_for
 
-        return ChatGLMTokenizer
+        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"))
+        if cls is not None:
+            return cls
     return Tokenizer
 
 
