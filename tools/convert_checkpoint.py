@@ -151,7 +151,7 @@ def check_against_model(conf, shapes):
     for name, p in model.named_parameters():
         if name not in shapes:
             raise ConvertError(f"converted checkpoint lacks {name}; is config.json from the same model?")
-        want = list(p.shape)[::-1] if hf.is_linear_weight(spec, name, len(p.shape)) else list(p.shape)
+        want = hf.hf_shape(spec, name, p.shape)
         if shapes[name] != want:
             raise ConvertError(f"{name}: converted shape {shapes[name]}, the model expects {want}")
 

@@ -33,6 +33,8 @@ import paddle
 import paddle.nn as nn
 from paddle.autograd import PyLayer
 
+from ..models import hf
+
 # QLoRA paper, appendix E: NormalFloat4 levels (quantiles of N(0, 1), normalised to [-1, 1]).
 NF4 = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -190,6 +192,7 @@ class _QuantMatmul(PyLayer):
     def forward(ctx, x, layer):
         ctx.layer = layer
         chunks = row_chunks(layer)
+        # transpose_y is the arithmetic of y = x @ W^T over rows of W [out, in], not a layout change
         ys = [paddle.matmul(x, layer.dequantize_rows(r0, r1, x.dtype), transpose_y=True)
               for r0, r1 in chunks]
         return ys[0] if len(ys) == 1 else paddle.concat(ys, axis=-1)
@@ -323,7 +326,7 @@ class QuantizedLinear(nn.Layer):
             from . import gpu
 
             return gpu.dequantize_fused(self, dtype)
-        return self.dequantize_rows(0, self.out_features, dtype).t()
+        return hf.linear_to_paddle(self.dequantize_rows(0, self.out_features, dtype))
 
     def forward(self, x):
         if not self.loaded and self.fused is None:
