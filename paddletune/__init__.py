@@ -7,7 +7,7 @@
 """
 from . import runtime as _runtime
 
-_runtime.configure_cpu_env()  # before paddle is imported: threads, MKL code path
+_cpu_env = _runtime.configure_cpu_env()  # before paddle is imported: threads, MKL code path
 
 try:
     with _runtime.quiet_paddle_banner():
@@ -19,7 +19,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "  pip install -e .[gpu]    # NVIDIA GPU: paddlepaddle-gpu"
     ) from e
 
-_runtime.prefer_copies()  # strided views off on CPU builds (see runtime.prefer_copies)
+# strided views off on CPU builds (see runtime.prefer_copies). RUNTIME: the immutable record of
+# what the set-up decided, logged by runtime.log_runtime()
+RUNTIME = _runtime.prefer_copies(_cpu_env)
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,10 @@ Every key belongs to exactly one dataclass. Each field's metadata is its row in 
   status  "implemented"  the key does what PaddleNLP's does
           "no_effect"    accepted; a non-default value warns once that it has no effect here (why)
           "refused"      a non-default value is an error naming the key and what to do (why)
-Value-dependent rules (e.g. fp16 on CPU, parallel degrees) live in `_check_values`.
+After parsing, `_resolve` fills the derived values (lora_path implies lora, ...; the only step
+that changes a value), then `_check_values` applies the value-dependent rules (fp16 on CPU,
+parallel degrees, PEFT sizes, ...) without changing anything. Each rule is checked here only:
+the library code behind a key relies on it.
 Unknown keys fail with the file, the key and the closest valid key; nothing is run before that.
 """
 import dataclasses
@@ -203,10 +206,8 @@ CLASSES = (ModelArgument, DataArgument, QuantArgument, GenerateArgument, Trainin
 TABLE = {f.name: (cls, f) for cls in CLASSES for f in dataclasses.fields(cls)}
 REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
-# key -> where it lands, for features not built yet: a non-default value is refused until then
-FEATURE_NOT_YET = {
-}
-# parallel degrees: values above 1 are refused until the parallel issues land
+# parallel degrees: values above 1 are refused until the parallel issues land (_check_parallel);
+# `sharding` over several ranks goes with sharding_parallel_degree
 PARALLEL_NOT_YET = {"tensor_parallel_degree": "tensor-parallel issue",
                     "pipeline_parallel_degree": "pipeline-parallel issue",
                     "sharding_parallel_degree": "sharding issue"}
@@ -282,9 +283,20 @@ def help_text():
             m = f.metadata
             tag = {"implemented": "", "no_effect": " [accepted, no effect here]",
                    "refused": " [refused]"}[m["status"]]
+            tag = f" [{_not_yet(f.name)}]" if _not_yet(f.name) else tag
             lines.append(f"  --{f.name} ({_type_of(f).__name__}, default {f.default if f.default is not dataclasses.MISSING else '[]'}){tag}")
             lines.append(f"      {m['help']}" + (f" ({m['why']})" if m["why"] and m["status"] != "implemented" else ""))
     return "\n".join(lines)
+
+
+def _not_yet(name):
+    """The table's status of a parallel key whose feature is not built yet, else None."""
+    if name in PARALLEL_NOT_YET:
+        return f"refused above 1 until the {PARALLEL_NOT_YET[name]}"
+    if name == "sharding" and "sharding_parallel_degree" in PARALLEL_NOT_YET:
+        return (f"refused over more than one rank until the "
+                f"{PARALLEL_NOT_YET['sharding_parallel_degree']} (warns with one)")
+    return None
 
 
 def markdown_table():
@@ -292,10 +304,9 @@ def markdown_table():
     rows = ["| key | group | default | status | meaning |", "|---|---|---|---|---|"]
     for name, (cls, f) in TABLE.items():
         m = f.metadata
-        status = {"implemented": "implemented", "no_effect": "accepted, warns: " + (m["why"] or ""),
-                  "refused": "refused: " + (m["why"] or "")}[m["status"]]
-        if name in FEATURE_NOT_YET:
-            status = "refused until " + FEATURE_NOT_YET[name]
+        status = _not_yet(name) or {"implemented": "implemented",
+                                    "no_effect": "accepted, warns: " + (m["why"] or ""),
+                                    "refused": "refused: " + (m["why"] or "")}[m["status"]]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{name}` | {cls.__name__} | `{default}` | {status} | {m['help']} |")
     return "\n".join(rows)
@@ -378,8 +389,6 @@ def build(values, sources=None, warn=None):
         status = f.metadata["status"]
         if v != default and status == "refused":
             raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not supported: {f.metadata['why']}")
-        if v != default and name in FEATURE_NOT_YET:
-            raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not available yet ({FEATURE_NOT_YET[name]})")
         if v != default and status == "no_effect":
             warn(f"'{key}: {json.dumps(value)}' has no effect here: {f.metadata['why']}")
         kwargs[cls][name] = v
@@ -388,6 +397,7 @@ def build(values, sources=None, warn=None):
         if kwargs[cls].get(key) in (None, ""):
             raise ArgumentError(f"'{key}' is required ({f.metadata['help']})")
     objs = tuple(cls(**kwargs[cls]) for cls in CLASSES)
+    _resolve(*objs)
     _check_values(*objs, sources=sources, warn=warn)
     return objs
 
@@ -396,14 +406,58 @@ def _world():
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
 
 
+PEFT_METHODS = ("lora", "prefix_tuning", "adapter", "lowrank_adapter", "bitfit")
+METRICS = ("loss", "ppl", "accuracy", "bleu4", "rouge1", "rouge2", "rougel")
+GENERATION_METRICS = METRICS[3:]   # need eval_with_do_generation
+LOWER_IS_BETTER = ("loss", "ppl")
+
+
+# ------------------------------------------------------------------ derived values
+
+def _resolve(model_args, data_args, quant_args, gen_args, args):
+    """Derived values: the one step that changes a parsed value, run before the checks (which
+    then only check). Each rule is a PaddleNLP habit:
+      lora_path                     implies lora: true (continue training a saved adapter)
+      prefix_path                   implies prefix_tuning: true
+      intokens, greedy_zero_padding imply zero_padding: true
+      metric_for_best_model         'eval_loss' (the logged name) means 'loss'
+      greater_is_better             unset: False for loss/ppl, True for any other metric
+    """
+    if model_args.lora_path:
+        model_args.lora = True
+    if model_args.prefix_path:
+        model_args.prefix_tuning = True
+    if data_args.intokens or data_args.greedy_zero_padding:
+        data_args.zero_padding = True
+    metric = args.metric_for_best_model
+    if metric is not None and metric.startswith("eval_") and metric[5:] in METRICS:
+        args.metric_for_best_model = metric = metric[5:]
+    if args.greater_is_better is None and metric in METRICS:
+        args.greater_is_better = metric not in LOWER_IS_BETTER
+
+
+# ------------------------------------------------------------------ checks (no rewrites)
+
 def _check_values(model_args, data_args, quant_args, gen_args, args, sources, warn):
+    """Value-dependent rules over resolved arguments, in a fixed order (the first error wins)."""
     def err(key, msg):
         raise ArgumentError(f"{sources.get(key, 'arguments')}: '{key}' {msg}")
 
+    _check_training(model_args, data_args, args, err)
+    _check_peft(model_args, err)
+    _check_best_model(data_args, args, err)
+    _check_device(model_args, args, err, warn)
+    _check_quant(model_args, quant_args, args, err)
+    _check_parallel(args, err, warn)
+    _check_generation(data_args, gen_args, args, err)
+    _check_data(model_args, data_args, args, err, warn)
+
+
+def _check_training(model_args, data_args, args, err):
+    objs = {ModelArgument: model_args, DataArgument: data_args, TrainingArguments: args}
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size",
                 "gradient_accumulation_steps", "logging_steps", "src_length", "max_length"):
-        obj = TABLE[key][0]
-        val = getattr({ModelArgument: model_args, DataArgument: data_args, TrainingArguments: args}[obj], key)
+        val = getattr(objs[TABLE[key][0]], key)
         if val <= 0:
             err(key, f"must be positive, got {val}")
     if data_args.src_length >= data_args.max_length:
@@ -415,86 +469,11 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
         err("learning_rate", f"must be >= 0, got {args.learning_rate}")
     if not 0 <= args.warmup_ratio < 1:
         err("warmup_ratio", f"must be in [0, 1), got {args.warmup_ratio}")
-    _check_peft(model_args, data_args, err)
-    if args.load_best_model_at_end:
-        if args.evaluation_strategy == "no" or not args.do_eval:
-            err("load_best_model_at_end", "needs do_eval: true and an evaluation_strategy (steps or epoch)")
-        if args.save_strategy != args.evaluation_strategy:
-            err("load_best_model_at_end", f"needs save_strategy ({args.save_strategy}) equal to "
-                f"evaluation_strategy ({args.evaluation_strategy}) so every evaluated step has a checkpoint")
-    metric = args.metric_for_best_model
-    if metric is not None:
-        metric = metric[5:] if metric.startswith("eval_") else metric
-        valid = ("loss", "ppl", "accuracy", "bleu4", "rouge1", "rouge2", "rougel")
-        if metric not in valid:
-            err("metric_for_best_model", f"must be one of {list(valid)}, got {args.metric_for_best_model!r}")
-        if metric in valid[3:] and not data_args.eval_with_do_generation:
-            err("metric_for_best_model", f"'{metric}' needs eval_with_do_generation: true")
-        args.metric_for_best_model = metric
-    if args.greater_is_better is None and args.metric_for_best_model:
-        args.greater_is_better = args.metric_for_best_model not in ("loss", "ppl")
-    for key in ("fp16", "bf16"):
-        if getattr(args, key):
-            from .runtime import device
-
-            if device() == "cpu":
-                warn(f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32")
-    if args.device == "gpu":
-        from .runtime import device
-
-        if device() != "gpu":
-            err("device", "is gpu but paddle sees no GPU (CPU build or no visible device): install "
-                "paddlepaddle-gpu (pip install -e .[gpu]) or use device: cpu / auto")
-    if model_args.use_flash_attention:
-        from .runtime import device
-
-        if device() == "cpu":
-            warn("'use_flash_attention: true' has no effect on CPU: the exact attention kernel is used")
-    _check_quant(model_args, quant_args, args, err)
-    for key, where in PARALLEL_NOT_YET.items():
-        if getattr(args, key) > 1:
-            err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
-    if args.sharding and "sharding_parallel_degree" in PARALLEL_NOT_YET:
-        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and _world() > 1):
-            err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
-                "issue); remove it or set sharding_parallel_degree to 1")
-        warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
-    if data_args.save_generation_output and not data_args.eval_with_do_generation:
-        err("save_generation_output", "needs eval_with_do_generation: true (it saves the generated answers)")
-    if data_args.eval_with_do_generation and not args.do_eval:
-        err("eval_with_do_generation", "needs do_eval: true (generation runs on the dev set)")
-    for key, ok, rule in (("max_new_tokens", gen_args.max_new_tokens > 0, "> 0"),
-                          ("temperature", gen_args.temperature > 0, "> 0"),
-                          ("top_k", gen_args.top_k >= 0, ">= 0"),
-                          ("top_p", 0 < gen_args.top_p <= 1, "in (0, 1]"),
-                          ("repetition_penalty", gen_args.repetition_penalty > 0, "> 0")):
-        if not ok:
-            err(key, f"must be {rule}, got {getattr(gen_args, key)}")
-    if data_args.intokens or data_args.greedy_zero_padding:
-        data_args.zero_padding = True
-    if data_args.lazy and args.do_train and args.max_steps <= 0:
-        err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
-    for key in ("save_strategy", "evaluation_strategy"):
-        if data_args.lazy and args.do_train and getattr(args, key) == "epoch":
-            err(key, "'epoch' never comes with lazy data (a stream has no epochs); use 'steps'")
-    if data_args.zero_padding and data_args.eval_with_do_generation:
-        warn("zero_padding packs the training data only: generation eval uses unpacked dev data")
-    if model_args.prefix_tuning and (data_args.zero_padding or data_args.greedy_zero_padding):
-        key = "zero_padding" if data_args.zero_padding else "greedy_zero_padding"
-        err(key, "cannot be used with prefix_tuning: the examples packed into one row would share "
-            "one prefix ambiguously (their positions no longer start right after it); set "
-            f"{key}: false")
 
 
-PEFT_METHODS = ("lora", "prefix_tuning", "adapter", "lowrank_adapter", "bitfit")
-
-
-def _check_peft(m, data_args, err):
-    """PEFT keys: a saved adapter path implies its method; one selection method per run."""
-    if m.lora_path:
-        m.lora = True
-    if m.prefix_path:
-        m.prefix_tuning = True
+def _check_peft(m, err):
+    """One selection method per run, and its sizes. The PEFT library code relies on these (it
+    only asserts them, for programmatic callers)."""
     chosen = [k for k in PEFT_METHODS if getattr(m, k)]
     if len(chosen) > 1:
         err(chosen[1], f"cannot be combined with {chosen[0]} in one run: choose one PEFT method")
@@ -516,8 +495,38 @@ def _check_peft(m, data_args, err):
         err("rdrop_alpha", f"must be >= 0, got {m.rdrop_alpha}")
 
 
+def _check_best_model(data_args, args, err):
+    if args.load_best_model_at_end:
+        if args.evaluation_strategy == "no" or not args.do_eval:
+            err("load_best_model_at_end", "needs do_eval: true and an evaluation_strategy (steps or epoch)")
+        if args.save_strategy != args.evaluation_strategy:
+            err("load_best_model_at_end", f"needs save_strategy ({args.save_strategy}) equal to "
+                f"evaluation_strategy ({args.evaluation_strategy}) so every evaluated step has a checkpoint")
+    metric = args.metric_for_best_model
+    if metric is not None:
+        if metric not in METRICS:
+            err("metric_for_best_model", f"must be one of {list(METRICS)}, got {metric!r}")
+        if metric in GENERATION_METRICS and not data_args.eval_with_do_generation:
+            err("metric_for_best_model", f"'{metric}' needs eval_with_do_generation: true")
+
+
+def _check_device(model_args, args, err, warn):
+    """What this machine can run: AMP and flash attention warn on CPU, device: gpu needs a GPU."""
+    from .runtime import device
+
+    for key in ("fp16", "bf16"):
+        if getattr(args, key) and device() == "cpu":
+            warn(f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32")
+    if args.device == "gpu" and device() != "gpu":
+        err("device", "is gpu but paddle sees no GPU (CPU build or no visible device): install "
+            "paddlepaddle-gpu (pip install -e .[gpu]) or use device: cpu / auto")
+    if model_args.use_flash_attention and device() == "cpu":
+        warn("'use_flash_attention: true' has no effect on CPU: the exact attention kernel is used")
+
+
 def _check_quant(model_args, quant_args, args, err):
-    """A quantized backbone is frozen: training needs a PEFT method; block sizes must fit."""
+    """A quantized backbone is frozen: training needs a PEFT method; block sizes must fit.
+    quant/weight_only.py's QuantConfig relies on these (it only asserts them)."""
     if not quant_args.weight_quantize_algo:
         return
     if quant_args.weight_blocksize <= 0 or quant_args.weight_blocksize % 2:
@@ -534,3 +543,44 @@ def _check_quant(model_args, quant_args, args, err):
         err("weight_quantize_algo", f"= {quant_args.weight_quantize_algo} freezes the quantized "
             "Linear weights, so training needs a PEFT method on top: set lora: true (QLoRA), or "
             "one of prefix_tuning / adapter / lowrank_adapter")
+
+
+def _check_parallel(args, err, warn):
+    """Degrees above 1 of the parallel modes not built yet are refused (PARALLEL_NOT_YET)."""
+    for key, where in PARALLEL_NOT_YET.items():
+        if getattr(args, key) > 1:
+            err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
+    if args.sharding and "sharding_parallel_degree" in PARALLEL_NOT_YET:
+        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and _world() > 1):
+            err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
+                "issue); remove it or set sharding_parallel_degree to 1")
+        warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+
+
+def _check_generation(data_args, gen_args, args, err):
+    if data_args.save_generation_output and not data_args.eval_with_do_generation:
+        err("save_generation_output", "needs eval_with_do_generation: true (it saves the generated answers)")
+    if data_args.eval_with_do_generation and not args.do_eval:
+        err("eval_with_do_generation", "needs do_eval: true (generation runs on the dev set)")
+    for key, ok, rule in (("max_new_tokens", gen_args.max_new_tokens > 0, "> 0"),
+                          ("temperature", gen_args.temperature > 0, "> 0"),
+                          ("top_k", gen_args.top_k >= 0, ">= 0"),
+                          ("top_p", 0 < gen_args.top_p <= 1, "in (0, 1]"),
+                          ("repetition_penalty", gen_args.repetition_penalty > 0, "> 0")):
+        if not ok:
+            err(key, f"must be {rule}, got {getattr(gen_args, key)}")
+
+
+def _check_data(model_args, data_args, args, err, warn):
+    if data_args.lazy and args.do_train and args.max_steps <= 0:
+        err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
+    for key in ("save_strategy", "evaluation_strategy"):
+        if data_args.lazy and args.do_train and getattr(args, key) == "epoch":
+            err(key, "'epoch' never comes with lazy data (a stream has no epochs); use 'steps'")
+    if data_args.zero_padding and data_args.eval_with_do_generation:
+        warn("zero_padding packs the training data only: generation eval uses unpacked dev data")
+    if model_args.prefix_tuning and (data_args.zero_padding or data_args.greedy_zero_padding):
+        key = "zero_padding" if data_args.zero_padding else "greedy_zero_padding"
+        err(key, "cannot be used with prefix_tuning: the examples packed into one row would share "
+            "one prefix ambiguously (their positions no longer start right after it); set "
+            f"{key}: false")

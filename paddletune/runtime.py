@@ -7,18 +7,35 @@ Why the thread settings matter (measured on a 2-core AMD EPYC, paddle 3.3.1, 102
 paddle's MKL runs 1 thread by default (~40 GFLOP/s); OMP_NUM_THREADS=2 gives ~75; adding
 MKL_DEBUG_CPU_TYPE=5 on AMD (MKL otherwise takes its slow non-Intel path) gives ~160-230.
 These variables are read when paddle loads MKL, so `configure_cpu_env()` runs from
-`paddletune/__init__.py` before paddle is imported.
+`paddletune/__init__.py` before paddle is imported. What the set-up decided is an immutable
+RuntimeChoices record (`paddletune.RUNTIME`), which `log_runtime` logs once.
 """
 import contextlib
+import functools
 import logging
 import os
 import random
 import sys
+from dataclasses import dataclass
+from typing import Tuple
 
 logger = logging.getLogger("paddletune")
 
-_CHOICES = {}  # what configure_cpu_env decided, logged later by log_runtime()
 _WARNED = set()
+
+
+@dataclass(frozen=True)
+class RuntimeChoices:
+    """The process set-up's decisions, in the order they were made: ((setting, value), ...),
+    e.g. (("OMP_NUM_THREADS", "2"), ("MKL_DEBUG_CPU_TYPE", "5 (AMD host)")). A later decision
+    makes a new record (plus), so a record never changes after it is handed out."""
+    items: Tuple[Tuple[str, str], ...] = ()
+
+    def plus(self, key, value):
+        return RuntimeChoices(self.items + ((key, str(value)),))
+
+    def describe(self):
+        return ", ".join(f"{k}={v}" for k, v in self.items)
 
 
 def physical_cores():
@@ -64,15 +81,14 @@ def local_process_count():
     return 1
 
 
+@functools.lru_cache(maxsize=None)   # decided once per process; later calls return that record
 def configure_cpu_env():
     """Set OMP/MKL threads = physical cores / local processes (or PADDLETUNE_NUM_THREADS), and
     MKL_DEBUG_CPU_TYPE=5 on AMD, unless the user set them. Must run before paddle is imported;
-    no-op (with a note) after."""
-    if _CHOICES:
-        return _CHOICES
+    no-op (with a note) after. Returns the RuntimeChoices made."""
+    choices = RuntimeChoices()
     if "paddle" in sys.modules:
-        _CHOICES["note"] = "paddle was imported before paddletune: thread settings left as they are"
-        return _CHOICES
+        return choices.plus("note", "paddle was imported before paddletune: thread settings left as they are")
     forced = os.environ.get("PADDLETUNE_NUM_THREADS")
     threads = int(forced) if forced else max(1, physical_cores() // local_process_count())
     launched = "PADDLE_LOCAL_SIZE" in os.environ
@@ -82,17 +98,17 @@ def configure_cpu_env():
         # worker; that is paddle's default, not the user's choice (PADDLETUNE_NUM_THREADS is).
         launcher_default = launched and key == "OMP_NUM_THREADS" and user == "1"
         if user is not None and not forced and not launcher_default:
-            _CHOICES[key] = user + " (user)"
+            choices = choices.plus(key, user + " (user)")
         else:
             os.environ[key] = str(threads)
-            _CHOICES[key] = str(threads)
+            choices = choices.plus(key, threads)
     if cpu_vendor() == "AuthenticAMD":
         if "MKL_DEBUG_CPU_TYPE" in os.environ:
-            _CHOICES["MKL_DEBUG_CPU_TYPE"] = os.environ["MKL_DEBUG_CPU_TYPE"] + " (user)"
+            choices = choices.plus("MKL_DEBUG_CPU_TYPE", os.environ["MKL_DEBUG_CPU_TYPE"] + " (user)")
         else:
             os.environ["MKL_DEBUG_CPU_TYPE"] = "5"
-            _CHOICES["MKL_DEBUG_CPU_TYPE"] = "5 (AMD host)"
-    return _CHOICES
+            choices = choices.plus("MKL_DEBUG_CPU_TYPE", "5 (AMD host)")
+    return choices
 
 
 def reuse_freed_memory():
@@ -105,11 +121,15 @@ def reuse_freed_memory():
     DESIGN.md section 5 full fine-tune step +28% tokens/s (benchmarks/README.md). Freed memory
     stays in the process for reuse, so this is switched on when training starts (Trainer), not at
     import: loading a model (quantizing tensor by tensor) keeps glibc's default and its low peak.
-    PADDLETUNE_MALLOC=default opts out."""
-    if "malloc" in _CHOICES:
-        return
+    PADDLETUNE_MALLOC=default opts out. Returns what was chosen (None: left as it is); runs once
+    per process (later calls return the first answer)."""
+    return _malloc_choice()
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_choice():
     if os.environ.get("PADDLETUNE_MALLOC") == "default" or not sys.platform.startswith("linux"):
-        return
+        return None
     try:
         import ctypes
 
@@ -118,25 +138,28 @@ def reuse_freed_memory():
         ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
     except (OSError, AttributeError):   # not glibc
         ok = False
-    _CHOICES["malloc"] = "heap reuse (no mmap)" if ok else "default"
-    logger.info("malloc: %s", _CHOICES["malloc"])
+    choice = "heap reuse (no mmap)" if ok else "default"
+    logger.info("malloc: %s", choice)
+    return choice
 
 
-def prefer_copies():
+def prefer_copies(choices):
     """Turn off paddle's strided views (FLAGS_use_stride_kernel) on CPU-only builds, unless the user
     set that flag. With views on, transpose/slice return strided tensors, and the next matmul or
     reshape makes them contiguous with paddle's generic strided-copy kernel: the attention of the
     DESIGN.md section 5 Llama (q/k/v transposed to [B, heads, S, D]) took 40 ms fwd + bwd per layer
     instead of 16, the LoRA step 0.50 -> 0.41 s (benchmarks/README.md). Copies cost memory only for
     a moment. Set here, at import (paddle.set_flags, not the environment: child processes such as
-    other libraries' benchmark peers keep paddle's default)."""
+    other libraries' benchmark peers keep paddle's default). Returns `choices` (RuntimeChoices)
+    plus this decision."""
     import paddle
 
     if "FLAGS_use_stride_kernel" in os.environ:
-        _CHOICES["strided views"] = os.environ["FLAGS_use_stride_kernel"] + " (user)"
-    elif not paddle.is_compiled_with_cuda():
+        return choices.plus("strided views", os.environ["FLAGS_use_stride_kernel"] + " (user)")
+    if not paddle.is_compiled_with_cuda():
         paddle.set_flags({"FLAGS_use_stride_kernel": False})
-        _CHOICES["strided views"] = "off"
+        return choices.plus("strided views", "off")
+    return choices
 
 
 class _BannerFilter:
@@ -168,10 +191,14 @@ def quiet_paddle_banner():
         sys.stderr = old
 
 
-def log_runtime():
-    if _CHOICES and "runtime" not in _WARNED:
+def log_runtime(choices=None):
+    """Log the set-up's RuntimeChoices once per process; `choices` defaults to the record
+    paddletune made at import (paddletune.RUNTIME)."""
+    if choices is None:
+        from paddletune import RUNTIME as choices
+    if choices.items and "runtime" not in _WARNED:
         _WARNED.add("runtime")
-        logger.info("CPU runtime: %s", ", ".join(f"{k}={v}" for k, v in _CHOICES.items()))
+        logger.info("CPU runtime: %s", choices.describe())
 
 
 def device():

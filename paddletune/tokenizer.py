@@ -12,6 +12,7 @@ Special tokens on encode:
 - sentencepiece backend: add_bos_token defaults to True, add_eos_token to False (Llama-2).
 A checkpoint without a pad token (Llama-3) gets unk, or else eos, as pad.
 """
+import functools
 import json
 import os
 import re
@@ -30,13 +31,15 @@ def _content(tok):
 
 
 def _tokenizer_class(path):
-    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class, where one is needed:
-    ChatGLM numbers its special tokens after the sentencepiece vocabulary."""
+    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
+    one (models/family_extras.py says which), else Tokenizer."""
     conf = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(conf) and read_json(conf).get("tokenizer_class") == "ChatGLMTokenizer":
-        from .models.chatglm_tokenizer import ChatGLMTokenizer
+    if os.path.exists(conf):
+        from .models.family_extras import tokenizer_class_for
 
-        return ChatGLMTokenizer
+        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"))
+        if cls is not None:
+            return cls
     return Tokenizer
 
 
@@ -201,6 +204,16 @@ class Tokenizer:
             return self._tok.id_to_token(i)
         inv = {v: k for k, v in self.added.items()}
         return inv.get(i) or self._sp.id_to_piece(i)
+
+    @functools.cached_property
+    def special_token_pattern(self):
+        """Regex matching any special-token string of this tokenizer (those of special_ids, and
+        eos; never unk), longest first; None when there is none. Chat-template encoding uses it
+        to find where an assistant turn ends (data/chat_template.py). Built on first use and
+        kept: the special tokens are fixed once the tokenizer is loaded."""
+        names = {self.id_to_token(i) for i in self.special_ids} | {self.eos_token}
+        names = sorted((n for n in names if n and n != self.unk_token), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
 
     @property
     def bos_token_id(self):

@@ -1,4 +1,5 @@
 """Argument parsing: PaddleNLP files, overrides, unknown keys, bad values, help."""
+import dataclasses
 import glob
 import json
 import os
@@ -143,3 +144,25 @@ def test_gpu_device_without_a_gpu_is_refused(tmp_path):
         return  # the refusal is about machines without a GPU; on a GPU box the value is valid
     with pytest.raises(ArgumentError, match="sees no GPU"):
         parse_args([write(tmp_path, dict(BASE, device="gpu"))])
+
+
+def test_derived_values_are_resolved_before_the_checks():
+    """_resolve is the one step that changes parsed values (PaddleNLP's implications)."""
+    m, d, q, g, t = A.build(dict(BASE, lora_path="x", greedy_zero_padding=True,
+                                 metric_for_best_model="eval_loss"))
+    assert m.lora and d.zero_padding
+    assert t.metric_for_best_model == "loss" and t.greater_is_better is False
+    with pytest.raises(ArgumentError, match="zero_padding.*cannot be used with prefix_tuning"):
+        A.build(dict(BASE, prefix_path="p", intokens=True))   # prefix_path implies prefix_tuning
+    m, d, q, g, t = A.build(dict(BASE, prefix_path="p", metric_for_best_model="accuracy"))
+    assert m.prefix_tuning and t.greater_is_better is True
+    with pytest.raises(ArgumentError, match="got 'eval_nope'"):   # an unknown name is kept as given
+        A.build(dict(BASE, metric_for_best_model="eval_nope"))
+
+
+def test_checks_change_nothing():
+    objs = A.build(dict(BASE, lora=True, zero_padding=True, metric_for_best_model="ppl",
+                        weight_quantize_algo="nf4", do_train=True, max_steps=3))
+    before = [dataclasses.asdict(o) for o in objs]
+    A._check_values(*objs, sources={}, warn=lambda m: None)
+    assert [dataclasses.asdict(o) for o in objs] == before

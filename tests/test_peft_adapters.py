@@ -89,5 +89,5 @@ def test_bad_combinations():
         build(dict(base, lora=True, adapter=True))
     with pytest.raises(ArgumentError, match="neftune_noise_alpha"):
         build(dict(base, neftune=True, neftune_noise_alpha=-1))
-    with pytest.raises(ValueError, match="cannot be combined"):
+    with pytest.raises(AssertionError, match="cannot be combined"):
         peft.apply(tiny(), margs(bitfit=True, adapter=True))

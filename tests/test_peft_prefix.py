@@ -10,7 +10,6 @@ import pytest
 
 from peft_util import tiny, randomize, ids, run
 from conftest import copy_pairs, hf_checkpoint, lm_loss, rel_err, token_accuracy, training_args
-from paddletune import args as args_mod
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
 from paddletune.models import load_model
@@ -149,10 +148,9 @@ def test_copy_task_reaches_full_accuracy(tmp_path):
     assert token_accuracy(model, data) == 1.0
 
 
-def test_bad_input(tmp_path, monkeypatch):
+def test_bad_input(tmp_path):
     base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o",
             "prefix_tuning": True}
-    monkeypatch.delitem(args_mod.FEATURE_NOT_YET, "zero_padding", raising=False)
     with pytest.raises(ArgumentError, match="zero_padding.*cannot be used with prefix_tuning"):
         build(dict(base, zero_padding=True))
     with pytest.raises(ArgumentError, match="num_prefix_tokens.*must be positive"):

@@ -1,8 +1,11 @@
 """CPU runtime set-up before paddle is imported: threads = physical cores (divided among local
 processes), MKL_DEBUG_CPU_TYPE=5 on AMD, user settings respected, the choice logged."""
+import dataclasses
 import json
 import os
 import subprocess
+
+import pytest
 
 from conftest import ROOT, launch, run_script
 
@@ -79,3 +82,18 @@ def test_strided_views_off_unless_the_user_sets_the_flag():
     r = run_script(["-c", STRIDE_PROBE], env=dict(env, FLAGS_use_stride_kernel="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-2:] == ["True", "False"]
+
+
+def test_choices_are_one_immutable_record():
+    """configure_cpu_env decides once and returns a frozen record; paddletune.RUNTIME extends it
+    with the strided-views choice, and log_runtime logs that record."""
+    import paddletune
+    from paddletune import runtime
+
+    first = runtime.configure_cpu_env()
+    assert runtime.configure_cpu_env() is first
+    assert isinstance(paddletune.RUNTIME, runtime.RuntimeChoices)
+    assert paddletune.RUNTIME.items[:len(first.items)] == first.items
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        paddletune.RUNTIME.items = ()
+    assert first.plus("x", 1).items[-1] == ("x", "1") and first.plus("x", 1) is not first

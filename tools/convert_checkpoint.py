@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from paddletune.io import atomic_dir, read_json, write_json  # noqa: E402
 from paddletune.models import build_model, get_spec, hf  # noqa: E402
+from paddletune.models.family_extras import conversion_fixups  # noqa: E402
 from paddletune.models import paddlenlp as pnlp  # noqa: E402
 
 COPY_SKIP = ("*.bin", "*.pdparams", "*.index.json", "*.pdopt", "*.safetensors")
@@ -93,25 +94,6 @@ def paddle_tensors(files):
         del state
 
 
-def rope_ratio_mode(src, conf, override):
-    """ChatGLM's rope_ratio scales the rope base (ChatGLM3/GLM-4) or the positions (ChatGLM2-32K);
-    the checkpoint's modeling_chatglm.py says which."""
-    if conf.get("model_type") not in ("chatglm", "chatglm_v2") or float(conf.get("rope_ratio", 1) or 1) == 1:
-        return None
-    if override or conf.get("rope_ratio_mode"):
-        return override or conf["rope_ratio_mode"]
-    code = os.path.join(src, "modeling_chatglm.py")
-    if os.path.exists(code):
-        text = open(code, encoding="utf-8", errors="replace").read()
-        if "base = base * self.rope_ratio" in text:
-            return "base"
-        if "/ self.rope_ratio" in text:
-            return "position"
-    raise ConvertError(f"{src}/config.json has rope_ratio={conf['rope_ratio']} and no "
-                       "modeling_chatglm.py to tell its meaning; pass --rope_ratio_mode base "
-                       "(ChatGLM3/GLM-4) or position (ChatGLM2-6B-32K)")
-
-
 def safetensors_tensors(files):
     """(name, np.ndarray, dtype name) from PaddleNLP's safetensors (unified checkpoints)."""
     for path in files:
@@ -156,9 +138,8 @@ def plan(src, args):
     conf = read_json(os.path.join(src, "config.json"), "config.json")
     if kind != "bin":
         conf = pnlp.hf_config(conf)
-    mode = rope_ratio_mode(src, conf, args.rope_ratio_mode)
-    if mode:
-        conf["rope_ratio_mode"] = mode
+    # facts a family's files may not state (ChatGLM's rope_ratio meaning): models/ knows which
+    conf.update(conversion_fixups(src, conf, {"rope_ratio_mode": args.rope_ratio_mode}))
     get_spec(conf.get("model_type", "llama")).config_cls.from_dict(conf)  # must load here
     return kind, files, conf
 
@@ -170,7 +151,7 @@ def check_against_model(conf, shapes):
     for name, p in model.named_parameters():
         if name not in shapes:
             raise ConvertError(f"converted checkpoint lacks {name}; is config.json from the same model?")
-        want = list(p.shape)[::-1] if hf.is_linear_weight(spec, name, len(p.shape)) else list(p.shape)
+        want = hf.hf_shape(spec, name, p.shape)
         if shapes[name] != want:
             raise ConvertError(f"{name}: converted shape {shapes[name]}, the model expects {want}")
 

@@ -67,10 +67,18 @@ def build(spec):
     return Trainer(model, args, train_dataset=[], export_fn=lambda d: None, trainable=trainable), batches
 
 
+def runtime_choices(paddletune):
+    """What the set-up decided in this process (threads, strided views), plus the choices made
+    while training (malloc, the CPU kernels), for the result's `threads` field."""
+    from paddletune import kernels, runtime
+
+    return (paddletune.RUNTIME.plus("malloc", runtime.reuse_freed_memory())
+            .plus("cpu kernels", "on" if kernels.cpu_ops() is not None else "off"))
+
+
 def main():
     spec = common.read_spec()
     import paddletune  # before paddle: the runtime's thread settings
-    from paddletune import runtime
 
     import paddle
 
@@ -84,7 +92,7 @@ def main():
     result = common.time_steps(step, batches, spec)
     result.update(rss_after_import_mb=rss_import, trainable_params=common.count_params(trainer.trainable.values()),
                   versions={"paddletune": paddletune.__version__, "paddle": paddle.__version__},
-                  threads=f"runtime: {', '.join(f'{k}={v}' for k, v in runtime._CHOICES.items())}")
+                  threads=f"runtime: {runtime_choices(paddletune).describe()}")
     common.emit(result)
 
 

@@ -34,7 +34,6 @@ labels: -100 on the first piece, ids of "yo<|im_end|>" on the second, -100 on th
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -336,17 +335,6 @@ def template_context(tok):
             "unk_token": tok.unk_token or "", "pad_token": tok.pad_token or ""}
 
 
-def _special_pattern(tok):
-    """Regex matching the tokenizer's special-token strings (cached on the tokenizer)."""
-    cached = getattr(tok, "_chat_special_re", False)
-    if cached is not False:
-        return cached
-    names = {tok.id_to_token(i) for i in tok.special_ids} | {tok.eos_token}
-    names = sorted((n for n in names if n and n != tok.unk_token), key=len, reverse=True)
-    tok._chat_special_re = re.compile("|".join(map(re.escape, names))) if names else None
-    return tok._chat_special_re
-
-
 def _label_split(text, content, pattern):
     """(labelled, tail, found): labelled = text up to and including the first special token
     after the message content; found=False when there is none (then everything is labelled)."""
@@ -363,7 +351,7 @@ def _label_split(text, content, pattern):
 
 def encode_segments(tok, segments):
     """[(ids, labels, is_assistant)] per segment, following the module docstring's rules."""
-    pattern, eos = _special_pattern(tok), tok.eos_token_id
+    pattern, eos = tok.special_token_pattern, tok.eos_token_id
     out = []
     for seg in segments:
         if not seg.is_assistant:
@@ -392,7 +380,7 @@ def stop_token_ids(tok, chat_template=None):
         return ids
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     seg = next(s for s in template.segments(msgs, False, **template_context(tok)) if s.is_assistant)
-    labelled, _, found = _label_split(seg.text, "a", _special_pattern(tok))
+    labelled, _, found = _label_split(seg.text, "a", tok.special_token_pattern)
     if found:
         end = tok.encode(labelled, add_special_tokens=False)[-1]
         ids = [end] + [i for i in ids if i != end]

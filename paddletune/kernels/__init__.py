@@ -28,7 +28,6 @@ import platform
 import shutil
 import sys
 
-from .. import runtime
 
 logger = logging.getLogger("paddletune")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
@@ -153,7 +152,6 @@ def cpu_ops():
         except Exception as e:   # a failed build must never stop training: paddle's kernels remain
             reason = f"build failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
     _STATE["ops"] = ops
-    runtime._CHOICES["cpu kernels"] = "on" if ops is not None else "off"
     if reason:
         logger.info("CPU kernels: off (%s); paddle's kernels are used", reason)
     return ops

@@ -1,8 +1,13 @@
 """Hugging Face checkpoints in and out: config.json, safetensors (single or sharded), layouts.
 
-This is the only module that converts weight layouts: HF/torch Linear weights are [out, in],
-paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight except the names
-in `ModelSpec.not_linear` (embeddings), which keep their layout.
+This is the only module that converts weight layouts (DESIGN.md rule 7): HF/torch Linear weights
+are [out, in], paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight
+except the names in `ModelSpec.not_linear` (embeddings), which keep their layout. Code elsewhere
+that moves a Linear weight (or its shape) between the two layouts calls:
+    linear_to_hf(w) / linear_to_paddle(w)        one Linear weight (numpy array or paddle tensor)
+    to_hf_layout / to_paddle_layout(spec, name, arr)   any named tensor (only Linear weights change)
+    hf_shape / paddle_shape(spec, name, shape)   the same rule for shapes
+A transpose elsewhere is arithmetic (e.g. y = x @ W^T), not a change of stored layout.
 
 safetensors are read with our own small parser over a memory map, so tensors are read one at a
 time (or one slice at a time, for tensor parallelism) and bf16/fp16 checkpoints load without
@@ -213,15 +218,51 @@ class CheckpointReader:
             st.release()
 
 
+# ------------------------------------------------------------------ Linear weight layout
+# [out, in] (HF/torch) <-> [in, out] (paddle nn.Linear): the one place this is written down.
+
+def _swap_axes(w):
+    """The 2-D transpose both directions share: numpy arrays come back contiguous (they are
+    written or handed to kernels next), paddle tensors as a new tensor (Tensor.t())."""
+    if isinstance(w, np.ndarray) or not hasattr(w, "t"):
+        return np.ascontiguousarray(np.asarray(w).T)
+    return w.t()
+
+
+def linear_to_hf(w):
+    """One Linear weight (or LoRA A/B matrix), paddle layout [in, out] -> HF/torch [out, in]."""
+    return _swap_axes(w)
+
+
+def linear_to_paddle(w):
+    """One Linear weight (or LoRA A/B matrix), HF/torch layout [out, in] -> paddle [in, out]."""
+    return _swap_axes(w)
+
+
 def is_linear_weight(spec, name, ndim):
     return ndim == 2 and name.endswith(".weight") and name not in spec.not_linear
 
 
 def to_paddle_layout(spec, name, arr):
-    return np.ascontiguousarray(arr.T) if is_linear_weight(spec, name, arr.ndim) else arr
+    """Tensor `name` read from an HF checkpoint -> paddle layout (only Linear weights change)."""
+    return linear_to_paddle(arr) if is_linear_weight(spec, name, arr.ndim) else arr
 
 
-to_hf_layout = to_paddle_layout  # a transpose is its own inverse
+def to_hf_layout(spec, name, arr):
+    """Tensor `name` in paddle layout -> the HF checkpoint's layout (only Linear weights change)."""
+    return linear_to_hf(arr) if is_linear_weight(spec, name, arr.ndim) else arr
+
+
+def hf_shape(spec, name, shape):
+    """Shape tensor `name` has in an HF checkpoint, given its paddle shape."""
+    shape = list(shape)
+    return shape[::-1] if is_linear_weight(spec, name, len(shape)) else shape
+
+
+def paddle_shape(spec, name, shape):
+    """Shape tensor `name` has in paddle, given its HF checkpoint shape."""
+    shape = list(shape)
+    return shape[::-1] if is_linear_weight(spec, name, len(shape)) else shape
 
 
 def read_slice(reader, spec, name, axis=None, start=None, stop=None):

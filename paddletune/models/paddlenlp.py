@@ -102,7 +102,7 @@ def lora_to_peft(tensors, r, mlp_layout="interleaved"):
         if leaf == "lora_B" and module.endswith("mlp.dense_h_to_4h") and mlp_layout == "interleaved":
             arr = halves_from_interleaved(arr)
         modules.add(module)
-        out[f"base_model.model.{module}.{leaf}.weight"] = np.ascontiguousarray(arr.T)
+        out[f"base_model.model.{module}.{leaf}.weight"] = hf.linear_to_hf(arr)
     for m in sorted(modules):
         a, b = (out.get(f"base_model.model.{m}.lora_{x}.weight") for x in "AB")
         if a is None or b is None or a.shape[0] != r or b.shape[1] != r:

@@ -38,9 +38,10 @@ class PeftSetup:
 
 
 def selected(model_args):
+    """The selection method of `model_args`, or None. args.py refuses two in one argument file;
+    the assert is for programmatic callers."""
     chosen = [k for k in SELECTION if getattr(model_args, k, False)]
-    if len(chosen) > 1:
-        raise ValueError(f"{' and '.join(chosen)} cannot be combined in one run: choose one PEFT method")
+    assert len(chosen) <= 1, f"{' and '.join(chosen)} cannot be combined in one run: choose one PEFT method"
     return chosen[0] if chosen else None
 
 
@@ -48,11 +49,9 @@ def apply(model, model_args, tokenizer=None):
     """Apply the PEFT method(s) of `model_args` to `model` in place; returns a PeftSetup."""
     method = selected(model_args)
     setup = PeftSetup(method=method)
-    if method is not None:
-        mod = SELECTION[method]
-        result = mod.apply(model, model_args)
-        setup.trainable, setup.lr_scales = result if isinstance(result, tuple) else (result, None)
-        setup.export_fn = mod.export_fn(model, model_args, tokenizer)
+    if method is not None:   # each method module: setup() -> (trainable, lr_scales, export_fn)
+        setup.trainable, setup.lr_scales, setup.export_fn = SELECTION[method].setup(
+            model, model_args, tokenizer)
     if getattr(model_args, "neftune", False):
         neftune.apply(model, model_args.neftune_noise_alpha)
         logger.info("NEFTune: noise alpha %g on input embeddings (training only)",

@@ -28,25 +28,34 @@ def _kaiming(fan_in):
     return nn.initializer.Uniform(-b, b)
 
 
-class AdapterLinear(nn.Layer):
-    """base_layer(x) followed by a residual bottleneck: y + up(gelu(down(y)))."""
+def dense_projections(H, size):
+    """(down, up) of the plain adapter: Linear(H, size) Kaiming-uniform, Linear(size, H) zero."""
+    zero = nn.initializer.Constant(0.0)
+    return (nn.Linear(H, size, weight_attr=_kaiming(H), bias_attr=zero),
+            nn.Linear(size, H, weight_attr=zero, bias_attr=zero))
 
-    def __init__(self, base_layer, size):
+
+class AdapterLinear(nn.Layer):
+    """base_layer(x) followed by a residual bottleneck: y + up(gelu(down(y))).
+
+    `projections(H, size) -> (down, up)` builds the two projections (H = the base layer's output
+    size); they become the sublayers adapter_down / adapter_up, whose names are the saved tensor
+    names. The default is dense_projections; lowrank_adapter.py passes factorised ones."""
+
+    def __init__(self, base_layer, size, projections=dense_projections):
         super().__init__()
         self.base_layer = base_layer
         self.in_features, self.out_features = linear_dims(base_layer)
-        H = self.out_features
-        self.adapter_down = nn.Linear(H, size, weight_attr=_kaiming(H),
-                                      bias_attr=nn.initializer.Constant(0.0))
-        self.adapter_up = nn.Linear(size, H, weight_attr=nn.initializer.Constant(0.0),
-                                    bias_attr=nn.initializer.Constant(0.0))
+        self.adapter_down, self.adapter_up = projections(self.out_features, size)
 
     def bottleneck(self, y):
         return self.adapter_up(F.gelu(self.adapter_down(y)))
 
     def forward(self, x):
         y = self.base_layer(x)
-        return y + self.bottleneck(y.astype(self.adapter_up.weight.dtype)).astype(y.dtype)
+        # the bottleneck runs in its parameters' dtype (float32 adapters over a lower-precision base)
+        dtype = self.adapter_up.parameters()[0].dtype
+        return y + self.bottleneck(y.astype(dtype)).astype(y.dtype)
 
 
 def targets(model):
@@ -69,7 +78,7 @@ def adapter_state(model):
     return {n: p for n, p in model.named_parameters() if ".adapter_" in n}
 
 
-def setup(model, make, what):
+def wrap_targets(model, make, what):
     """Freeze, wrap every target with make(base), return the trainable dict."""
     freeze(model)
     names = targets(model)
@@ -84,9 +93,8 @@ def setup(model, make, what):
 
 def apply(model, model_args):
     size = model_args.adapter_size
-    if size <= 0:
-        raise ValueError(f"adapter_size must be positive, got {size}")
-    trainable, _ = setup(model, lambda base: AdapterLinear(base, size), f"adapter (size {size})")
+    assert size > 0, f"adapter_size must be positive, got {size}"   # args.py checks argument files
+    trainable, _ = wrap_targets(model, lambda base: AdapterLinear(base, size), f"adapter (size {size})")
     return trainable
 
 
@@ -95,6 +103,11 @@ def export_fn(model, model_args, tokenizer=None, peft_type=PEFT_TYPE, extra=None
             "base_model_name_or_path": base_name_for_config(model_args.model_name_or_path)}
     conf.update(extra or {})
     return lambda out_dir: save_own(model, out_dir, peft_type, conf, adapter_state(model), tokenizer)
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply."""
+    return apply(model, model_args), None, export_fn(model, model_args, tokenizer)
 
 
 def targets_of(model):

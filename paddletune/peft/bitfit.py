@@ -7,6 +7,8 @@ Trainable count = sum of the targets' output sizes. Saved in the own format (pef
 the config lists which biases were added, so loading re-creates them before setting values.
 """
 import logging
+from dataclasses import dataclass
+from typing import Tuple
 
 import paddle.nn as nn
 
@@ -30,33 +32,51 @@ def add_bias(layer, name):
     return True
 
 
+@dataclass(frozen=True)
+class BitFitTargets:
+    """What BitFit did to one model, as written to the saved config: the Linear layers whose
+    biases train, and which of those biases it added (zero-initialised)."""
+    target_modules: Tuple[str, ...]
+    added_bias: Tuple[str, ...]
+
+    def config(self):
+        return {"target_modules": list(self.target_modules), "added_bias": list(self.added_bias)}
+
+
 def _targets(model):
     return match_modules(model, list(model.spec.lora_targets),
                          f"ModelSpec({model.config.model_type}).lora_targets")
 
 
 def apply(model, model_args):
+    """Freeze the model, give every target a trainable bias. Returns (trainable, BitFitTargets)."""
     freeze(model)
     names = _targets(model)
     added = [n for n in names if add_bias(get_module(model, n), n)]
-    model._bitfit = {"target_modules": names, "added_bias": added}
     trainable = {}
     for n in names:
         b = get_module(model, n).bias
         b.stop_gradient = False
         trainable[n + ".bias"] = b
     logger.info("BitFit: biases of %d layers (%d added as zeros)", len(names), len(added))
-    return trainable
+    return trainable, BitFitTargets(tuple(names), tuple(added))
 
 
-def bias_state(model):
-    return {n + ".bias": get_module(model, n).bias for n in model._bitfit["target_modules"]}
+def bias_state(model, targets):
+    return {n + ".bias": get_module(model, n).bias for n in targets.target_modules}
 
 
-def export_fn(model, model_args, tokenizer=None):
-    conf = dict(model._bitfit, base_model_name_or_path=base_name_for_config(
+def export_fn(model, model_args, targets, tokenizer=None):
+    conf = dict(targets.config(), base_model_name_or_path=base_name_for_config(
         model_args.model_name_or_path))
-    return lambda out_dir: save_own(model, out_dir, PEFT_TYPE, conf, bias_state(model), tokenizer)
+    return lambda out_dir: save_own(model, out_dir, PEFT_TYPE, conf, bias_state(model, targets),
+                                    tokenizer)
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply; the export closes over the targets."""
+    trainable, targets = apply(model, model_args)
+    return trainable, None, export_fn(model, model_args, targets, tokenizer)
 
 
 def load(model, path, trainable=False):
@@ -69,8 +89,6 @@ def load(model, path, trainable=False):
     check_shapes(expect, tensors, path)
     for n in conf["target_modules"]:
         add_bias(layers[n], n)
-    model._bitfit = {"target_modules": list(conf["target_modules"]),
-                     "added_bias": list(conf.get("added_bias", []))}
     for n, a in tensors.items():
         b = layers[n[:-len(".bias")]].bias
         b.set_value(a.astype("float32"))

@@ -263,8 +263,7 @@ def apply(model, model_args):
         patterns = model_args.lora_target_modules or list(model.spec.lora_targets)
         names = match_modules(model, patterns, "lora_target_modules")
         r = model_args.lora_rank
-        if r <= 0:
-            raise ValueError(f"lora_rank must be positive, got {r}")
+        assert r > 0, f"lora_rank must be positive, got {r}"   # args.py checks argument files
         alpha = model_args.lora_alpha if model_args.lora_alpha > 0 else 2 * r
         inject(model, names, r, alpha, model_args.lora_dropout, model_args.rslora)
         logger.info("LoRA: r=%d alpha=%s on %d layers (%s)", r, alpha, len(names),
@@ -280,3 +279,9 @@ def apply(model, model_args):
 def export_fn(model, model_args, tokenizer=None):
     base = base_name_for_config(model_args.model_name_or_path)
     return lambda out_dir: save(model, out_dir, base, tokenizer)
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply."""
+    trainable, lr_scales = apply(model, model_args)
+    return trainable, lr_scales, export_fn(model, model_args, tokenizer)

@@ -14,8 +14,7 @@ import paddle.nn as nn
 class NEFTune(nn.Layer):
     def __init__(self, alpha):
         super().__init__()
-        if alpha < 0:
-            raise ValueError(f"neftune_noise_alpha must be >= 0, got {alpha}")
+        assert alpha >= 0, f"neftune_noise_alpha must be >= 0, got {alpha}"   # args.py checks files
         self.alpha = float(alpha)
 
     def forward(self, h):

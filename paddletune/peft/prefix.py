@@ -182,3 +182,8 @@ def apply(model, model_args):
 def export_fn(model, model_args, tokenizer=None):
     base = base_name_for_config(model_args.model_name_or_path)
     return lambda out_dir: save(model, out_dir, base, tokenizer)
+
+
+def setup(model, model_args, tokenizer=None):
+    """(trainable, lr_scales, export_fn) for peft.apply."""
+    return apply(model, model_args), None, export_fn(model, model_args, tokenizer)

@@ -17,6 +17,8 @@ import logging
 import paddle
 from paddle.autograd import PyLayer
 
+from ..models import hf
+
 logger = logging.getLogger("paddletune")
 _STATE = {"disabled": False}
 CHECK_TOL = {"int8": 2e-2, "int4": 2e-2}   # relative max error vs the reference, fp16/bf16
@@ -48,7 +50,7 @@ def _convert(layer, dtype):
     from paddle.nn.quant import weight_only_linear, weight_quantize
 
     try:
-        w = layer.dequantize_rows(0, layer.out_features, dtype).t()          # [in, out]
+        w = hf.linear_to_paddle(layer.dequantize_rows(0, layer.out_features, dtype))   # [in, out]
         q, s = weight_quantize(w, algo=layer.algo.name, group_size=_group(layer))
         x0 = paddle.randn([4, layer.in_features]).astype(dtype)
         ref = paddle.matmul(x0, w).astype("float32")
@@ -75,7 +77,8 @@ def dequantize_fused(layer, dtype):
 
     w = weight_dequantize(layer.fused_weight, layer.fused_scale, layer.algo.name,
                           group_size=_group(layer)).astype(dtype)
-    return w if list(w.shape) == [layer.in_features, layer.out_features] else w.t()
+    # paddle's kernel layout may come back [out, in]; callers get paddle's Linear layout
+    return w if list(w.shape) == [layer.in_features, layer.out_features] else hf.linear_to_paddle(w)
 
 
 class _FusedMatmul(PyLayer):
@@ -89,6 +92,7 @@ class _FusedMatmul(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
+        # dx = dy @ W^T with W [in, out]: arithmetic of the product, not a layout change
         return paddle.matmul(dy, dequantize_fused(ctx.layer, dy.dtype), transpose_y=True)
 
 

@@ -15,6 +15,7 @@ import re
 import numpy as np
 import paddle.nn as nn
 
+from ..models import hf
 from .weight_only import QuantConfig, QuantizedLinear
 
 logger = logging.getLogger("paddletune")
@@ -60,7 +61,7 @@ def _replace(model, quant_args, from_weights):
         in_f, out_f = lin.weight.shape
         q = QuantizedLinear(in_f, out_f, cfg, bias=lin.bias, weight_name=name + ".weight")
         if from_weights:
-            q.set_weight(lin.weight.numpy().T)
+            q.set_weight(hf.linear_to_hf(lin.weight.numpy()))   # QuantizedLinear holds [out, in]
         parents[parent_name]._sub_layers[child] = q
     model.quant_config = cfg
     return [n for n, _ in targets]

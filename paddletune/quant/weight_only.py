@@ -33,6 +33,8 @@ import paddle
 import paddle.nn as nn
 from paddle.autograd import PyLayer
 
+from ..models import hf
+
 # QLoRA paper, appendix E: NormalFloat4 levels (quantiles of N(0, 1), normalised to [-1, 1]).
 NF4 = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -190,6 +192,7 @@ class _QuantMatmul(PyLayer):
     def forward(ctx, x, layer):
         ctx.layer = layer
         chunks = row_chunks(layer)
+        # transpose_y is the arithmetic of y = x @ W^T over rows of W [out, in], not a layout change
         ys = [paddle.matmul(x, layer.dequantize_rows(r0, r1, x.dtype), transpose_y=True)
               for r0, r1 in chunks]
         return ys[0] if len(ys) == 1 else paddle.concat(ys, axis=-1)
@@ -252,15 +255,13 @@ class QuantConfig:
     double_quant_blocksize: int = 256
 
     def __post_init__(self):
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"weight_quantize_algo={self.algo!r} is not supported; "
-                             f"choose one of {sorted(ALGORITHMS)}")
-        if self.blocksize <= 0 or self.blocksize % 2:
-            raise ValueError(f"weight_blocksize={self.blocksize} must be a positive even number "
-                             "(two 4-bit codes per byte), e.g. 64")
-        if self.double_quant_blocksize <= 0:
-            raise ValueError(f"weight_double_quant_block_size={self.double_quant_blocksize} "
-                             "must be positive, e.g. 256")
+        # argument files are checked in args.py (choices, _check_quant); these asserts are for
+        # programmatic callers building a QuantConfig themselves
+        assert self.algo in ALGORITHMS, f"algo {self.algo!r} is not one of {sorted(ALGORITHMS)}"
+        assert self.blocksize > 0 and self.blocksize % 2 == 0, (
+            f"blocksize {self.blocksize} must be positive and even (two 4-bit codes per byte)")
+        assert self.double_quant_blocksize > 0, (
+            f"double_quant_blocksize {self.double_quant_blocksize} must be positive")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -325,7 +326,7 @@ class QuantizedLinear(nn.Layer):
             from . import gpu
 
             return gpu.dequantize_fused(self, dtype)
-        return self.dequantize_rows(0, self.out_features, dtype).t()
+        return hf.linear_to_paddle(self.dequantize_rows(0, self.out_features, dtype))
 
     def forward(self, x):
         if not self.loaded and self.fused is None:

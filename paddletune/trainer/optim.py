@@ -116,10 +116,3 @@ def lr_at(step, total, base_lr, warmup=0, kind="linear", min_lr=0.0):
         return min_lr + (base_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     return min_lr + (base_lr - min_lr) * (1 - progress)
 
-
-def clip_factor(sq_norm_sum, max_norm):
-    """Global-norm clipping factor min(1, max_norm / (norm + 1e-6)); returns (norm, factor)."""
-    norm = math.sqrt(sq_norm_sum)
-    if max_norm and max_norm > 0 and norm > max_norm:
-        return norm, max_norm / (norm + 1e-6)
-    return norm, 1.0
