@@ -218,6 +218,8 @@ def test_chunked_training_loss_equals_full_logits(tmp_path, tied, frozen_head, k
 
     if not kernels_on:
         monkeypatch.setitem(kernels._STATE, "ops", None)
+    elif paddle.is_compiled_with_cuda():
+        pytest.skip("CUDA build of paddle: the CPU kernels are off by design")
     else:
         assert kernels.cpu_ops() is not None
     monkeypatch.setattr(layers.LinearCrossEntropy, "BLOCK_ELEMENTS", 600 * 5)   # 5-row chunks
