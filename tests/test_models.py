@@ -182,9 +182,15 @@ def test_dynamic_ntk_with_cache_equals_transformers_cache(tmp_path):
 def test_build_model_random_init_is_deterministic():
     cfg = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 1, "num_attention_heads": 4}
-    a, b = build_model(cfg, seed=3), build_model(cfg, seed=3)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    a, b, c = build_model(cfg, seed=3), build_model(cfg, seed=3), build_model(cfg, seed=4)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert np.array_equal(p.numpy(), q.numpy()), n
+        w = p.numpy()
+        if w.ndim == 2:   # matrices: N(0, 0.02) (the default initializer_range), seed-dependent
+            assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002, n
+            assert not np.array_equal(w, r.numpy()), n
+        else:             # norm weights start at one
+            assert (w == 1).all(), n
 
 
 def test_indivisible_heads_is_a_clear_error():
