@@ -97,23 +97,76 @@ def test_data_parallel_launch_rank0_writes(tmp_path):
     assert os.path.exists(out / "config.json")
 
 
-def test_lora_under_data_parallel_launch(tmp_path):
-    """LoRA (adapter-only training and output) with 2 launched ranks: the adapter is written once,
-    by rank 0, and torch peft loads it onto the transformers base."""
+def _lora_run(out, batch, nproc=1, log_dir=None, extra=()):
+    """llm/finetune_generation.py with the shipped LoRA file for 3 steps at a constant learning
+    rate 0.01 (no warmup, AdamW epsilon 1e-4: see the test), one process or `nproc` launched
+    ranks of `batch` examples each; returns ({HF-PEFT key: array} of the adapter written to `out`,
+    the logged losses)."""
+    from safetensors.numpy import load_file
+
     from conftest import launch
 
-    out = tmp_path / "out"
     lora = os.path.join(ROOT, "llm", "llama", "lora_argument.json")
-    r = launch([SCRIPT, lora, "--output_dir", str(out), "--max_steps", "2"] + QUICK[2:], nproc=2,
-               log_dir=tmp_path / "log")
-    logs = {k: open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)}
-    assert r.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
-    assert "data-parallel ranks = 2" in logs[0] and "trainable params:" in logs[0]
+    args = [SCRIPT, lora, "--output_dir", str(out), "--max_steps", "3", "--warmup_steps", "0",
+            "--lr_scheduler_type", "constant", "--learning_rate", "0.01", "--adam_epsilon", "1e-4",
+            "--do_eval", "false", "--seed", "42"] + QUICK[2:]
+    args += ["--per_device_train_batch_size", str(batch)] + list(extra)
+    if nproc == 1:
+        r = run_script(args)
+        assert r.returncode == 0, r.stderr[-3000:]
+    else:
+        r = launch(args, nproc=nproc, log_dir=log_dir)
+        logs = {k: open(log_dir / f"workerlog.{k}").read() for k in range(nproc)}
+        assert r.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
+        assert f"data-parallel ranks = {nproc}, global batch = {batch * nproc}" in logs[0]
+        assert "trainable params:" in logs[0]
+        assert "model saved to" in logs[0] and "model saved to" not in logs[1]   # rank 0 writes
     assert os.path.exists(out / "adapter_config.json") and not os.path.exists(out / "model.safetensors")
-    import peft
-    import transformers
+    losses = [json.loads(l)["loss"] for l in open(out / "train_log.jsonl") if '"loss"' in l]
+    return load_file(str(out / "adapter_model.safetensors")), losses
+
+
+def test_lora_under_data_parallel_launch(tmp_path):
+    """LoRA (adapter-only training and output) with 2 launched ranks x batch 4 trains the same
+    adapter as one process with batch 8 (same seed, data, steps): equal logged losses, and per
+    tensor max|dp - single| / max|single - initial| <= 1e-4. The initial adapter is the one a run
+    with learning rate 0 writes: lora_B zero, lora_A Kaiming-uniform from the seed, and both runs
+    started from it. The adapter is written once, by rank 0, and torch peft loads it onto the
+    transformers base with exactly those values.
+
+    AdamW epsilon is 1e-4 in both runs (not 1e-8): with a tiny epsilon AdamW's step is nearly
+    lr * sign(g), so elements whose gradient is at float32 noise level (lora_A's gradient is
+    ~lr-sized at step 2, since lora_B starts at zero) turn summation-order noise into ~3e-3 of
+    the update; measured max ratio here is 2e-5 with 1e-4."""
+    lr = 0.01
+    dp, dp_losses = _lora_run(tmp_path / "dp", 4, nproc=2, log_dir=tmp_path / "log")
+    single, losses = _lora_run(tmp_path / "single", 8)
+    init, _ = _lora_run(tmp_path / "init", 8, extra=["--learning_rate", "0", "--max_steps", "1"])
+    assert len(losses) == 3
+    np.testing.assert_allclose(dp_losses, losses, rtol=1e-5, atol=0)
     from paddletune.models import resolve_model_path
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("paddletune/tiny-llama"))
-    model = peft.PeftModel.from_pretrained(base, str(out))
-    assert any("lora_B" in n and float(p.abs().sum()) > 0 for n, p in model.named_parameters())
+    tiny = resolve_model_path("paddletune/tiny-llama")
+    layers = json.load(open(os.path.join(tiny, "config.json")))["num_hidden_layers"]
+    assert set(dp) == set(single) == set(init) and len(init) == 2 * 7 * layers   # A, B x 7 linears
+    for k, a0 in init.items():
+        update = single[k] - a0
+        assert np.abs(update).max() > 0, k                    # training really moved every tensor
+        assert np.abs(dp[k] - single[k]).max() <= 1e-4 * np.abs(update).max(), k
+        if ".lora_B." in k:
+            assert not a0.any(), k                            # B starts at zero
+        else:   # A [r, in] starts uniform in +-1/sqrt(in); both runs moved it <= 2 lr from there
+            bound = 1 / np.sqrt(a0.shape[1])
+            assert np.abs(a0).max() <= bound and np.abs(a0).max() > 0.95 * bound, k
+            assert len(np.unique(a0)) == a0.size, k
+            assert np.abs(dp[k] - a0).max() <= 2 * lr and np.abs(update).max() <= 2 * lr, k
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "dp"))
+    loaded = {n.replace(".default", ""): p.detach().numpy() for n, p in model.named_parameters()
+              if "lora_" in n}
+    assert set(loaded) == set(dp)
+    for n, v in loaded.items():   # torch peft holds exactly the adapter rank 0 wrote
+        np.testing.assert_array_equal(v, dp[n], err_msg=n)

@@ -9,10 +9,16 @@ import pytest
 
 from paddletune import kernels
 
+# The kernels are CPU-only: on a CUDA build of paddle they are off by design (tensors live on the
+# GPU, every kernel entry point returns None), so nothing here can be checked there. On a CPU
+# build every test runs, and a broken build fails them loudly.
+pytestmark = pytest.mark.skipif(paddle.is_compiled_with_cuda(),
+                                reason="CUDA build of paddle: the CPU kernels are off by design")
+
 
 def test_kernels_build_on_this_machine():
-    """The machines this project runs on have g++: the kernels must be on (otherwise every speed
-    number in benchmarks/README.md is off by the difference)."""
+    """The CPU machines this project runs on have g++: the kernels must be on (otherwise every
+    speed number in benchmarks/README.md is off by the difference)."""
     assert kernels._why_not() is None   # (cpu_ops() loads once per process: no reload here)
     assert kernels.cpu_ops() is not None
 
