@@ -32,6 +32,8 @@ from paddletune.trainer.metrics import generation_eval_fn
 def prepare(argv=None):
     """Everything that can fail on user input, before any work or any write."""
     model_args, data_args, quant_args, gen_args, args = parse_args(argv, warn=lambda m: runtime.warn_once(m, m))
+    if not args.do_train and not args.do_eval:
+        raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
     model_path = resolve_model_path(model_args.model_name_or_path)
     load_config(model_path)  # config.json readable and of a supported model type
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
@@ -43,8 +45,6 @@ def prepare(argv=None):
                             args.resume_from_checkpoint)
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
-    if not args.do_train and not args.do_eval:
-        raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
 
 
@@ -66,7 +66,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     topo = parallel.init(args)
-    runtime.log_runtime()
+    runtime.log_runtime(paddletune.RUNTIME)
     runtime.set_device(args.device)
     runtime.set_seed(args.seed)
     if train_ds is not None and data_args.lazy:

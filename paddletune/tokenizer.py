@@ -32,10 +32,10 @@ def _content(tok):
 
 def _tokenizer_class(path):
     """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
-    one (models/family_extras.py says which), else Tokenizer."""
+    one (ModelSpec.tokenizer_classes says which), else Tokenizer."""
     conf = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(conf):
-        from .models.family_extras import tokenizer_class_for
+        from .models.spec import tokenizer_class_for
 
         cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"))
         if cls is not None:

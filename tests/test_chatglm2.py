@@ -23,7 +23,7 @@ from conftest import copy_pairs, rel_err, token_accuracy, training_args
 
 from paddletune.models import build_model, get_spec, load_model, save_pretrained
 from paddletune.models.cache import KVCache
-from paddletune.models.chatglm2 import TP_FUSED, ChatGLM2Config
+from paddletune.models.chatglm2 import ChatGLM2Config
 from paddletune.models.hf import SafetensorsFile
 
 VOCAB = 160
@@ -203,7 +203,7 @@ def test_spec_facts_match_the_module_tree():
     assert len(hit) == 4 * 2 and "transformer.output_layer" not in hit   # 4 Linears per block
     assert all(any(n.endswith("." + k) for k in spec.tp_plan) for n in linears)
     cfg = model.config
-    parts = TP_FUSED(cfg)
+    parts = spec.fused_parts(cfg)
     blk = model.transformer.encoder.layers[0]
     assert sum(parts["query_key_value"]) == blk.self_attention.query_key_value.weight.shape[1]
     assert sum(parts["dense_h_to_4h"]) == blk.mlp.dense_h_to_4h.weight.shape[1]

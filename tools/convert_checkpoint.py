@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from paddletune.io import atomic_dir, read_json, write_json  # noqa: E402
 from paddletune.models import build_model, get_spec, hf  # noqa: E402
-from paddletune.models.family_extras import conversion_fixups  # noqa: E402
+from paddletune.models.spec import conversion_fixups  # noqa: E402
 from paddletune.models import paddlenlp as pnlp  # noqa: E402
 
 COPY_SKIP = ("*.bin", "*.pdparams", "*.index.json", "*.pdopt", "*.safetensors")

@@ -61,11 +61,6 @@ def build_model(config, seed=None):
     return model
 
 
-def hf_state_names(model):
-    """Paddle parameter name -> HF tensor name for the plain (unwrapped) model: identity."""
-    return {n: n for n, _ in model.named_parameters()}
-
-
 def load_weights(model, path, spec=None, reader=None, params=None):
     """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
     {hf_name: parameter} map), checking every shape first against the checkpoint header.
@@ -84,10 +79,8 @@ def load_weights(model, path, spec=None, reader=None, params=None):
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:3]}; is config.json from the same model?")
     for name, p in params.items():
-        shape = reader.shape(name)
+        shape = hf.paddle_shape(spec, name, reader.shape(name))
         expect = list(p.shape)
-        if hf.is_linear_weight(spec, name, len(shape)):
-            shape = shape[::-1]
         if shape != expect:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {expect} (paddle layout)")

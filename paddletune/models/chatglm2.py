@@ -18,9 +18,10 @@ Architecture (pre-norm decoder, `L = num_layers` blocks):
 - Module names equal THUDM's (transformer.embedding.word_embeddings, transformer.encoder.layers.N
   .self_attention.query_key_value, ..., transformer.encoder.final_layernorm,
   transformer.output_layer), so the HF key map is the identity; hf.py transposes Linear weights.
-Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan (see TP_FUSED).
+Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan and fused_parts.
 """
 import copy
+import os
 from dataclasses import dataclass, field
 
 import paddle
@@ -294,19 +295,40 @@ def _prefix_layout(cfg):
     return cfg.num_layers, cfg.multi_query_group_num, cfg.kv_channels
 
 
-# Tensor-parallel plan. query_key_value and dense_h_to_4h are fused: "column_fused" means split
-# every part of the output columns separately and concatenate the rank's slices, parts given by
-# TP_FUSED(config) (q|k|v by heads; gate|up halves). The TP degree must divide
-# multi_query_group_num (2 for ChatGLM2/3-6B). Not built yet: paddletune.parallel applies it.
-_TP_PLAN = {"query_key_value": "column_fused", "dense": "row", "dense_h_to_4h": "column_fused",
+# Tensor-parallel plan: query_key_value and dense_h_to_4h are "column" layers of fused parts
+# (_fused_parts: q|k|v by heads, gate|up halves), each part split separately. The TP degree must
+# divide multi_query_group_num (2 for ChatGLM2/3-6B).
+_TP_PLAN = {"query_key_value": "column", "dense": "row", "dense_h_to_4h": "column",
             "dense_4h_to_h": "row", "word_embeddings": "vocab", "output_layer": "column"}
 
 
-def TP_FUSED(cfg):
+def _fused_parts(cfg):
     """Output-column widths of the parts of each fused Linear, in order."""
     N, G, D = cfg.num_attention_heads, cfg.multi_query_group_num, cfg.kv_channels
     return {"query_key_value": [N * D, G * D, G * D],
             "dense_h_to_4h": [cfg.ffn_hidden_size, cfg.ffn_hidden_size]}
+
+
+def rope_ratio_fixup(src_dir, config, overrides):
+    """ChatGLM's rope_ratio scales the rope base (ChatGLM3/GLM-4) or the positions (ChatGLM2-32K);
+    paddletune's config.json records which as rope_ratio_mode. Taken from `overrides`, the config,
+    or the checkpoint's modeling_chatglm.py, in that order."""
+    if float(config.get("rope_ratio", 1) or 1) == 1:
+        return {}
+    mode = overrides.get("rope_ratio_mode") or config.get("rope_ratio_mode")
+    code = os.path.join(src_dir, "modeling_chatglm.py")
+    if not mode and os.path.exists(code):
+        with open(code, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if "base = base * self.rope_ratio" in text:
+            mode = "base"
+        elif "/ self.rope_ratio" in text:
+            mode = "position"
+    if not mode:
+        raise ValueError(f"{src_dir}/config.json has rope_ratio={config['rope_ratio']} and no "
+                         "modeling_chatglm.py to tell its meaning; pass --rope_ratio_mode base "
+                         "(ChatGLM3/GLM-4) or position (ChatGLM2-6B-32K)")
+    return {"rope_ratio_mode": mode}
 
 
 _TINY = {"model_type": "chatglm", "architectures": ["ChatGLMModel"], "num_layers": 2,
@@ -325,4 +347,6 @@ SPEC = register(ModelSpec(
                   r".*\.dense_4h_to_h$"),
     tp_plan=dict(_TP_PLAN), prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"), tiny_config=_TINY,
-    default_chat_template="chatglm2", lm_head="transformer.output_layer"))
+    default_chat_template="chatglm2", lm_head="transformer.output_layer", fused_parts=_fused_parts,
+    tokenizer_classes={"ChatGLMTokenizer": "paddletune.models.chatglm_tokenizer:ChatGLMTokenizer"},
+    conversion_fixups=rope_ratio_fixup))

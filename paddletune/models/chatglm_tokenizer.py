@@ -14,7 +14,7 @@ THUDM's build_chat_input ([<|user|>] + sp("\\n") + sp("hi")) whenever "▁\\n" i
 Difference from THUDM's ChatGLM2 code: there, a literal "[gMASK]" typed inside the text is
 encoded as characters; here it is the special token (as in ChatGLM3's tokenizer_config).
 
-Selected by tokenizer_config.json `"tokenizer_class": "ChatGLMTokenizer"` (models/family_extras.py).
+Selected by tokenizer_config.json `"tokenizer_class": "ChatGLMTokenizer"` (ModelSpec.tokenizer_classes in chatglm2.py).
 ChatGLM3 is recognised by role tokens in tokenizer_config.json's added_tokens_decoder, or else
 by `<|observation|>` in the checkpoint's tokenization_chatglm.py (a chat template is no evidence:
 one may be set for training on any tokenizer).

@@ -11,15 +11,18 @@ from typing import Callable, Dict, Optional, Tuple
 class ModelSpec:
     model_type: str                    # config.json "model_type"
     config_cls: type                   # has from_dict(dict) / to_dict()
-    model_cls: type                    # causal LM: model(input_ids, ...) -> CausalLMOutput
+    model_cls: type                    # a runner.CausalLM subclass: the family's parts only
     architectures: Tuple[str, ...]     # config.json "architectures" written on save
     # HF tensor names of 2-D weights that are NOT nn.Linear weights (embeddings): hf.py transposes
     # every other 2-D ".weight" between HF [out, in] and paddle [in, out].
     not_linear: Tuple[str, ...]
     # Default LoRA targets: regexes over module names (peft issue), e.g. r".*\.q_proj$".
     lora_targets: Tuple[str, ...]
-    # Tensor-parallel plan by module-name suffix: "column" (split out features), "row" (split in
-    # features, all-reduce output), "vocab" (split embedding rows). Applied by paddletune.parallel.
+    # Tensor-parallel plan, the form paddletune.parallel applies from outside the model: module-name
+    # suffix -> "column" (split the output features: weight [in, out] by columns, bias too), "row"
+    # (split the input features; outputs are partial sums, all-reduced) or "vocab" (an embedding
+    # [V, H] split by vocabulary rows). The LM head (`lm_head` below) is "column", i.e. its
+    # logits are vocabulary-parallel.
     tp_plan: Dict[str, str]
     # prefix_layout(config) -> (num_layers, num_kv_heads, head_dim): shape of learned K/V prefixes
     prefix_layout: Callable
@@ -29,7 +32,17 @@ class ModelSpec:
     # Module name of the LM head (kept in full precision by quantization, "vocab"-wide output)
     lm_head: str = "lm_head"
     tiny_config: Dict = field(default_factory=dict)   # small config.json used by tools and tests
-    default_chat_template: Optional[str] = None        # built-in template name (data issue)
+    default_chat_template: Optional[str] = None        # built-in template name for chat without one
+    # fused_parts(config) -> {module suffix: [widths]}: "column" modules whose output columns are
+    # several projections side by side (ChatGLM2's query_key_value = [q | k | v]); tensor
+    # parallelism splits each part separately and keeps the rank's slices together, in order.
+    fused_parts: Optional[Callable] = None
+    # tokenizer_config.json "tokenizer_class" -> "module:Class" of a Tokenizer subclass this family
+    # needs (ChatGLM numbers its special tokens after the sentencepiece vocabulary)
+    tokenizer_classes: Dict[str, str] = field(default_factory=dict)
+    # conversion_fixups(src_dir, config, overrides) -> {key: value}: config keys a checkpoint
+    # converted by tools/convert_checkpoint.py must gain (facts the source files state elsewhere)
+    conversion_fixups: Optional[Callable] = None
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
@@ -56,3 +69,28 @@ def get_spec(model_type: str) -> ModelSpec:
 def registered_types():
     get_spec("llama")
     return sorted(_REGISTRY)
+
+
+def tokenizer_class_for(name):
+    """The Tokenizer subclass a checkpoint whose tokenizer_config.json names `name` needs, or None
+    when the plain Tokenizer reads it."""
+    import importlib
+
+    get_spec("llama")   # every family registered
+    for spec in _REGISTRY.values():
+        target = spec.tokenizer_classes.get(name)
+        if target:
+            module, _, cls = target.partition(":")
+            return getattr(importlib.import_module(module), cls)
+    return None
+
+
+def conversion_fixups(src_dir, config, overrides=None):
+    """Config keys a checkpoint converted from `src_dir` must gain ({} for most families);
+    `config` is the source config.json (model_type already HF's), `overrides` the converter's
+    command-line answers. Raises ValueError naming the file and the option to pass."""
+    mt = config.get("model_type")
+    spec = _REGISTRY.get(mt) if mt in registered_types() else None
+    if spec is None or spec.conversion_fixups is None:
+        return {}
+    return spec.conversion_fixups(src_dir, config, overrides or {})

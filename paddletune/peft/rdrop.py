@@ -26,8 +26,7 @@ def combine(out1, out2, alpha):
 
 
 def make_loss_fn(alpha):
-    if alpha < 0:
-        raise ValueError(f"rdrop_alpha must be >= 0, got {alpha}")
+    assert alpha >= 0, f"rdrop_alpha must be >= 0, got {alpha} (args.py checks it for users)"
 
     def loss_fn(model, batch):
         out1 = causal_lm_loss(model, batch, keep_logits=True)   # the KL term needs label logits
