@@ -154,7 +154,7 @@ def check(a):
     if a.output_file and os.path.isdir(a.output_file):
         raise ArgumentError(f"output_file={a.output_file!r} is a directory; give a file name")
     path = resolve_model_path(a.model_name_or_path)
-    load_config(path)
+    spec, _ = load_config(path)
     tok = load_tokenizer(a.tokenizer_name_or_path or path)
     t = a.chat_template
     if t is not None and os.path.isdir(t):   # PaddleNLP: a directory holding chat_template.json
@@ -163,9 +163,14 @@ def check(a):
             raise ArgumentError(f"chat_template={a.chat_template!r}: no chat_template.json in that directory")
     if t is not None:
         tok.set_chat_template(t)
-    if a.chat and tok.template is None:
-        raise ArgumentError("--chat needs a chat template: the checkpoint has none; pass --chat_template "
-                            "with a built-in name (llama2, llama3, chatml, ...) or a template file")
+    if a.chat and tok.template is None and t is None:
+        if spec.default_chat_template is None:
+            raise ArgumentError("--chat needs a chat template: the checkpoint has none; pass --chat_template "
+                                "with a built-in name (llama2, llama3, chatml, ...) or a template file")
+        # the model family's usual template (ModelSpec.default_chat_template), said out loud
+        runtime.logger.warning("the checkpoint has no chat template: --chat uses %r, this model "
+                               "family's default (pass --chat_template to choose)", spec.default_chat_template)
+        tok.set_chat_template(spec.default_chat_template)
     rows = read_data(a.data_file) if a.data_file else [(p, "") for p in DEFAULT_PROMPTS]
     if tok.template is None and any(not isinstance(s, str) for s, _ in rows):
         raise ArgumentError(f"{a.data_file}: \"src\" lists (several rounds) need a chat template")
@@ -191,7 +196,10 @@ def chat_loop(a, model, tok, cfg, stdin, stdout):
         if not text.strip():
             continue
         msgs = history + [{"role": "user", "content": text}]
-        out = generate(model, [encode_prompt(tok, msgs, True, a.src_length)], cfg, tokenizer=tok)
+        # --chat_template none: each line is raw text for the model (no template, no history)
+        prompt = (encode_prompt(tok, msgs, True, a.src_length) if tok.template is not None
+                  else encode_prompt(tok, text, False, a.src_length))
+        out = generate(model, [prompt], cfg, tokenizer=tok)
         reply = out.texts[0]
         tokens, seconds = tokens + out.num_new_tokens, seconds + out.seconds
         print(reply.replace("\n", " "), file=stdout, flush=True)

@@ -137,13 +137,30 @@ def test_chat_through_stdin_equals_transformers_with_history(ckpt):
     assert expected[1] != hf_answer(path, hf, [{"role": "user", "content": turns[1]}])  # history mattered
 
 
+def test_chat_without_a_checkpoint_template(tmp_path):
+    """A checkpoint without a chat template: --chat uses the family's default template
+    (ModelSpec.default_chat_template, llama2 for Llama, said in a warning) and answers as
+    transformers does with that template; --chat_template none answers each line as raw text."""
+    path, hf = hf_checkpoint(tmp_path / "plain", seed=22)
+    lines = ["Sort the numbers: 3 1 2", "/exit"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for extra, want in ((["--chat"], hf_answer(path, hf, [{"role": "user", "content": lines[0]}],
+                                               template=BUILTIN_TEMPLATES["llama2"])),
+                        (["--chat", "--chat_template", "none"], hf_answer(path, hf, text=lines[0]))):
+        r = subprocess.run([sys.executable, SCRIPT] + greedy(path, *extra), input="\n".join(lines) + "\n",
+                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        answers = [l for l in r.stdout.splitlines() if not re.match(r"\[\d\d:\d\d:\d\d\] ", l)]
+        assert answers[0] == want.replace("\n", " ")
+        assert ("family's default" in r.stdout + r.stderr) == (extra == ["--chat"])
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--max_lenght", "3"], "unknown key 'max_lenght'; did you mean 'max_length'"),
     (["--data_file", "/nonexistent.json"], "data_file='/nonexistent.json' not found"),
     (["--top_p", "0"], "top_p"),
     (["--decode_strategy", "beam_search"], "must be one of"),
     (["--batch_size", "0"], "batch_size"),
-    (["--chat", "--chat_template", "none"], "--chat needs a chat template"),
     (["--chat_template", "no_such_template"], "no_such_template"),
     (["--lora_path", "/nonexistent"], "lora_path"),
 ])
