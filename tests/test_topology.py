@@ -1,0 +1,54 @@
+"""parallel.topology: degrees under PaddleNLP's rules, the rank grid, group membership (hand-worked)."""
+from types import SimpleNamespace
+
+import pytest
+
+from paddletune.parallel import Topology, TopologyError, degrees_from_args
+from paddletune.parallel.topology import coordinates, group_ranks
+
+
+def targs(tp=-1, pp=-1, sd=-1, sharding=""):
+    return SimpleNamespace(tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                           sharding_parallel_degree=sd, sharding=sharding)
+
+
+def test_degrees_follow_paddlenlp_rules():
+    assert degrees_from_args(targs(), 4) == {"dp": 4, "pp": 1, "sharding": 1, "tp": 1}
+    assert degrees_from_args(targs(tp=2), 8) == {"dp": 4, "pp": 1, "sharding": 1, "tp": 2}
+    assert degrees_from_args(targs(tp=2, pp=2), 8) == {"dp": 2, "pp": 2, "sharding": 1, "tp": 2}
+    # sharding_parallel_degree -1 with sharding set: every rank left after tp x pp
+    assert degrees_from_args(targs(tp=2, sharding="stage1"), 8) == {"dp": 1, "pp": 1, "sharding": 4, "tp": 2}
+    assert degrees_from_args(targs(sd=2, sharding="stage2"), 8) == {"dp": 4, "pp": 1, "sharding": 2, "tp": 1}
+    # a sharding degree without `sharding` set means no sharding (PaddleNLP ignores it too)
+    assert degrees_from_args(targs(sd=2), 4)["sharding"] == 1
+    assert degrees_from_args(targs(tp=1, pp=1), 1) == {"dp": 1, "pp": 1, "sharding": 1, "tp": 1}
+
+
+def test_indivisible_world_names_both_numbers():
+    with pytest.raises(TopologyError, match=r"world size 6 .* = 4"):
+        degrees_from_args(targs(tp=2, pp=2), 6)
+    with pytest.raises(TopologyError, match="world size 3"):
+        degrees_from_args(targs(tp=2, sharding="stage1"), 3)
+
+
+def test_rank_grid_and_groups_hand_worked():
+    """8 ranks as dp 2 x pp 2 x tp 2 (tp innermost): rank 5 = dp 1, pp 0, tp 1."""
+    d = {"dp": 2, "pp": 2, "sharding": 1, "tp": 2}
+    assert coordinates(5, d) == {"dp": 1, "pp": 0, "sharding": 0, "tp": 1}
+    assert group_ranks(5, d, "tp") == [4, 5]
+    assert group_ranks(5, d, "dp") == [1, 5]
+    assert group_ranks(5, d, "pp") == [5, 7]
+    assert group_ranks(5, d, "data") == [1, 5]
+    d = {"dp": 2, "pp": 1, "sharding": 2, "tp": 1}   # data ranks = dp x sharding
+    assert group_ranks(3, d, "data") == [0, 1, 2, 3]
+    t = Topology(world_size=4, rank=3, degrees=d, coords=coordinates(3, d))
+    assert (t.data_degree, t.data_rank, t.sharding_rank, t.dp_rank) == (4, 3, 1, 1)
+
+
+def test_single_process_collectives_are_identities():
+    import paddle
+
+    t = Topology()
+    x = paddle.to_tensor([1.0, 2.0])
+    assert t.all_reduce_sum(x) is x and t.all_reduce_scalars([3, 4]) == [3.0, 4.0]
+    assert t.all_gather_json({"a": 1}) == [{"a": 1}] and t.all_reduce_grads([x])[0] is x
