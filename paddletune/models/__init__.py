@@ -61,19 +61,8 @@ def build_model(config, seed=None):
     return model
 
 
-def load_weights(model, path, spec=None, reader=None, params=None):
-    """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
-    {hf_name: parameter} map), checking every shape first against the checkpoint header.
-
-    Quantized linears (quant.QuantizedLinear, put in by quant.quantize_model_lazily) receive
-    their tensor in HF layout [out, in] and quantize it at once, so at most one full-precision
-    matrix is resident at a time. The memory map of a file is dropped after each tensor: pages
-    read through a map count in the process RSS until it is unmapped."""
-    spec = spec or model.spec
-    reader = reader or hf.CheckpointReader(path)
-    params = params if params is not None else dict(model.named_parameters())
-    quantized = {m.weight_name: m for m in model.sublayers()
-                 if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
+    """Every tensor the model needs is in the checkpoint with the model's (global) shape."""
     missing = [n for n in list(params) + list(quantized) if n not in reader]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. "
@@ -88,6 +77,22 @@ def load_weights(model, path, spec=None, reader=None, params=None):
         if reader.shape(name) != [m.out_features, m.in_features]:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
+
+
+def load_weights(model, path, spec=None, reader=None, params=None):
+    """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
+    {hf_name: parameter} map), checking every shape first against the checkpoint header.
+
+    Quantized linears (quant.QuantizedLinear, put in by quant.quantize_model_lazily) receive
+    their tensor in HF layout [out, in] and quantize it at once, so at most one full-precision
+    matrix is resident at a time. The memory map of a file is dropped after each tensor: pages
+    read through a map count in the process RSS until it is unmapped."""
+    spec = spec or model.spec
+    reader = reader or hf.CheckpointReader(path)
+    params = params if params is not None else dict(model.named_parameters())
+    quantized = {m.weight_name: m for m in model.sublayers()
+                 if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+    check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
         p.set_value(hf.read_slice(reader, spec, name).astype(np.float32, copy=False))
         _unmap(reader, name)
@@ -117,18 +122,30 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
     are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
     allocates its weight."""
-    if topology is not None and (topology.tp_degree > 1 or topology.pp_degree > 1):
-        raise NotImplementedError(f"load_model: the layout {topology.describe()} splits the model, "
-                                  "which is not built yet; use data parallelism only")
+    if topology is not None and topology.pp_degree > 1:
+        raise NotImplementedError(f"load_model: the layout {topology.describe()} has pipeline "
+                                  "stages, which are not built yet")
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
+    tp = topology is not None and topology.tp_degree > 1
+    if tp:
+        from ..parallel.plan import check_layout
+
+        check_layout(spec, cfg, topology.tp_degree)
     model = build_model(cfg)
     model.name_or_path = path
     if quant is not None:
         from ..quant import format_report, quantize_model_lazily
 
         quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
-    load_weights(model, path, spec)
+    if tp:   # this rank's slices only, as DTensors; the plan's executors installed
+        from ..parallel import tensor as tensor_parallel
+
+        group = tensor_parallel.TensorParallel(topology)
+        tensor_parallel.load_sharded(model, path, group)
+        tensor_parallel.install(model, group)
+    else:
+        load_weights(model, path, spec)
     if getattr(model, "quant_config", None) is not None:
         logger.info("%s", format_report(model))   # bytes held vs float32, whole model
     model.eval()
@@ -143,7 +160,8 @@ def declared_dtype(config):
 
 def save_pretrained(model, out_dir, tokenizer=None, state=None, max_shard_size="5GB", dtype=None,
                     extra_config=None):
-    """Write `model` (or `state`: {hf_name: np.ndarray in paddle layout}) as a HF directory:
+    """Write `model` (or `state`: {hf_name: np.ndarray in paddle layout}, or an iterable of such
+    pairs consumed one at a time) as a HF directory:
     config.json, generation_config.json, model*.safetensors (+ index), tokenizer files.
     Files appear in out_dir only when complete; config.json is moved in last."""
     spec, cfg = model.spec, model.config
@@ -156,7 +174,7 @@ def save_pretrained(model, out_dir, tokenizer=None, state=None, max_shard_size="
         state = {n: p for n, p in model.named_parameters()}
 
     def tensors():
-        for name, t in state.items():
+        for name, t in (state.items() if hasattr(state, "items") else state):
             arr = t.numpy() if isinstance(t, paddle.Tensor) else np.asarray(t)
             yield name, hf.to_hf_layout(spec, name, arr)
 

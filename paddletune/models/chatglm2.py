@@ -208,7 +208,9 @@ class SelfAttention(nn.Layer):
         v = v.reshape([B, S, -1, self.head_dim]).transpose([0, 2, 1, 3])
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v)
-        return self.dense(attention(q, k, v, ctx.mask, self.dropout, self.training, flash=ctx.flash))
+        out = attention(q, k, v, ctx.mask, self.dropout, self.training, flash=ctx.flash,
+                        dropout_fn=ctx.dropout)
+        return self.dense(out)
 
 
 class MLP(nn.Layer):

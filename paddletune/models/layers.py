@@ -248,7 +248,7 @@ def _packed_flash(q, k, v, layout, dropout, training, scale):
     return out.reshape([B, S, N * D])
 
 
-def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False):
+def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dropout_fn=None):
     if flash and "gpu" in str(q.place).lower():
         try:
             return _packed_flash(q, k, v, layout, dropout, training, scale)
@@ -260,29 +260,31 @@ def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False):
                                                         "the exact blocked path", e)
     whole = layout.whole_row_mask()
     if whole is not None:   # every row is one block: a single batched call, no slicing
-        return _dense_attention(q, k, v, whole, dropout, training, scale)
+        return _dense_attention(q, k, v, whole, dropout, training, scale, dropout_fn)
     rows = [[] for _ in range(q.shape[0])]
     for b, lo, hi, bias in layout.blocks:
         sl = lambda t: t[b:b + 1, :, lo:hi]  # noqa: E731
-        rows[b].append(_dense_attention(sl(q), sl(k), sl(v), bias, dropout, training, scale))
+        rows[b].append(_dense_attention(sl(q), sl(k), sl(v), bias, dropout, training, scale, dropout_fn))
     return paddle.concat([paddle.concat(r, axis=1) if len(r) > 1 else r[0] for r in rows], axis=0)
 
 
-def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash=False):
+def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash=False,
+              dropout_fn=None):
     """Scaled dot-product attention with grouped KV heads and no K/V repetition.
 
     q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias: bool mask broadcastable to
     [B, 1, S, T] (True = blocked, from attention_bias), or a PackedRows (zero padding). Query heads k*g .. k*g+g-1 share KV head k (as HF's repeat_kv).
     `scale` multiplies the scores: None = 1/sqrt(D); 1.0 when q was scaled already (RopeTables).
     `flash`: packed rows may use the GPU varlen flash-attention kernel (see PackedRows).
+    `dropout_fn(probs, p, training)` replaces F.dropout on the probabilities when given.
     Returns [B, S, N*D]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(bias, PackedRows):
-        return _packed_attention(q, k, v, bias, dropout, training, scale, flash)
-    return _dense_attention(q, k, v, bias, dropout, training, scale)
+        return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn)
+    return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn)
 
 
-def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None):
+def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, dropout_fn=None):
     B, N, S, D = q.shape
     K, T = k.shape[1], k.shape[2]
     g = N // K
@@ -303,7 +305,8 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None
             scores = scores.reshape([B, K, g * S, T])
         probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
     if dropout > 0 and training:
-        probs = F.dropout(probs, dropout, training=True)
+        probs = (dropout_fn(probs, dropout, True) if dropout_fn is not None
+                 else F.dropout(probs, dropout, training=True))
     out = paddle.matmul(probs, v)                                          # [B, K, g*S, D]
     return out.reshape([B, N, S, D]).transpose([0, 2, 1, 3]).reshape([B, S, N * D])
 

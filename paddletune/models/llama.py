@@ -127,7 +127,8 @@ class LlamaAttention(nn.Layer):
         v = v.transpose([0, 2, 1, 3])
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v, ctx.mask, self.dropout, self.training, scale=1.0, flash=ctx.flash)
+        out = attention(q, k, v, ctx.mask, self.dropout, self.training, scale=1.0,
+                        flash=ctx.flash, dropout_fn=ctx.dropout)
         return self.o_proj(out)
 
 

@@ -33,6 +33,11 @@ class LossOutput:
     num_tokens: paddle.Tensor                    # n, the number of target tokens (float32)
     label_logits: Optional[paddle.Tensor] = None   # [n, V] float32, when formed
     label_targets: Optional[paddle.Tensor] = None  # [n] int64
+    # [n] predicted ids when the logits are vocabulary shards (tensor parallel); else from logits
+    label_argmax: Optional[paddle.Tensor] = None
+
+    def predictions(self):
+        return self.label_argmax if self.label_argmax is not None else self.label_logits.argmax(-1)
 
     @property
     def loss(self):

@@ -46,11 +46,14 @@ class BlockContext:
     mask:  bool [B or 1, 1, S, T] (True = blocked; T = past + S), a layers.PackedRows (zero
            padding), or None (one new token with a cache: nothing to block)
     cache: KVCache (generation), PrefixCache (prefix tuning) or None
-    flash: whether packed rows may use the GPU varlen flash-attention kernel"""
+    flash: whether packed rows may use the GPU varlen flash-attention kernel
+    dropout: f(probs [B, K, g*S, T], p, training) for attention dropout, or None (F.dropout);
+           tensor parallelism passes one that draws the one-process mask over all heads"""
     rope: object
     mask: object = None
     cache: object = None
     flash: bool = False
+    dropout: object = None
 
 
 class CausalLM(nn.Layer):
@@ -63,6 +66,7 @@ class CausalLM(nn.Layer):
         self.config, self.spec = config, spec
         self.recompute = False          # recompute each block's activations in backward (training)
         self.flash_attention = False    # packed rows: GPU varlen flash attention (UNTESTED here)
+        self.heads_dropout = None       # attention dropout function (parallel/ sets one under TP)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
         # f(attention_mask or None) -> (cache, attention_mask [B, P+S] or None), used when no cache
         # is given: prefix tuning supplies its learned prefixes this way (peft/prefix.py)
@@ -102,7 +106,8 @@ class CausalLM(nn.Layer):
         if position_ids is None:
             position_ids = paddle.arange(past, past + seq, dtype="int64").unsqueeze(0).expand([batch, seq])
         mask = attention_bias(batch, seq, past, attention_mask, segment_ids, dtype=dtype)
-        return BlockContext(self.rope_tables(position_ids), mask, cache, self.flash_attention)
+        return BlockContext(self.rope_tables(position_ids), mask, cache, self.flash_attention,
+                            self.heads_dropout)
 
     def embed(self, input_ids):
         h = self.get_input_embeddings()(input_ids)

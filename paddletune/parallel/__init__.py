@@ -47,7 +47,7 @@ def init(training_args=None):
 def _make_groups(rank, degrees, world):
     """This rank's process group per axis whose groups are proper subsets of the world. Every
     rank creates every group of an axis, in the same order (group creation is collective)."""
-    import paddle.distributed as dist
+    from .cpu_compat import new_group
 
     groups = {}
     for axis in AXES + ("data",):
@@ -60,7 +60,7 @@ def _make_groups(rank, degrees, world):
             if ranks in seen:
                 continue
             seen.append(ranks)
-            g = dist.new_group(ranks)
+            g = new_group(ranks, world)
             if rank in ranks:
                 groups[axis] = g
     return groups

@@ -57,17 +57,28 @@ class LoRALinear(nn.Layer):
         self.lora_B = nn.Linear(r, self.out_features, bias_attr=False,
                                 weight_attr=nn.initializer.Constant(0.0))
         self.merged = False
+        # set by paddletune.parallel under tensor parallelism (None: one device): `between(z)` runs
+        # the collective on the rank-r activation z = x @ A, `input_dropout(x, p, training)` draws
+        # the one-process mask for an input split across ranks
+        self.between = None
+        self.input_dropout = None
 
     def forward(self, x):
         y = self.base_layer(x)
         if self.merged:
             return y
-        h = F.dropout(x, self.dropout, training=self.training) if self.dropout > 0 else x
+        h = x
+        if self.dropout > 0:
+            h = (self.input_dropout(x, self.dropout, self.training) if self.input_dropout is not None
+                 else F.dropout(x, self.dropout, training=self.training))
         wa, wb = self.lora_A.weight, self.lora_B.weight
         if h.dtype != wa.dtype:
             h = h.astype(wa.dtype)
+        z = paddle.matmul(h, wa)
+        if self.between is not None:
+            z = self.between(z)
         # (h A)(s B): the scale goes on the small [r, out] matrix, not on the [tokens, out] output
-        delta = paddle.matmul(paddle.matmul(h, wa), wb * self.scaling)
+        delta = paddle.matmul(z, wb * self.scaling)
         return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
     def delta_weight(self):

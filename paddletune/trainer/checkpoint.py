@@ -43,11 +43,13 @@ FILE_PREFIX = {"model": "model_state", "optimizer": "optimizer"}
 
 @dataclass
 class Piece:
-    """A box of a tensor: `array` holds global[start[0]:start[0]+shape[0], ...]."""
+    """A box of a tensor: `array` holds global[start[0]:start[0]+shape[0], ...]. `key` names it in
+    the file when one rank holds several boxes of the tensor (fused parts); default the name."""
     name: str
     array: np.ndarray
     global_shape: List[int]
     start: List[int]
+    key: str = None
 
 
 def whole(named_arrays):
@@ -91,10 +93,15 @@ def _write_pieces(tmp, rank, kind, pieces):
     if not pieces:
         return {}
     fname = f"{FILE_PREFIX[kind]}-{rank:05d}.safetensors"
-    write_safetensors(os.path.join(tmp, fname), {p.name: p.array for p in pieces})
-    return {p.name: {"global_shape": [int(d) for d in p.global_shape],
-                     "pieces": [{"file": fname, "start": [int(s) for s in p.start],
-                                 "shape": [int(d) for d in np.shape(p.array)]}]} for p in pieces}
+    write_safetensors(os.path.join(tmp, fname), {p.key or p.name: p.array for p in pieces})
+    index = {}
+    for p in pieces:
+        entry = index.setdefault(p.name, {"global_shape": [int(d) for d in p.global_shape], "pieces": []})
+        rec = {"file": fname, "start": [int(s) for s in p.start], "shape": [int(d) for d in np.shape(p.array)]}
+        if p.key and p.key != p.name:
+            rec["key"] = p.key
+        entry["pieces"].append(rec)
+    return index
 
 
 def _merge_index(parts):
@@ -192,7 +199,7 @@ class CheckpointReader:
                 continue
             src = tuple(slice(l - p, h - p) for l, h, p in zip(lo, hi, piece["start"]))
             dst = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, start))
-            out[dst] = self._file(piece["file"]).get_box(name, src)
+            out[dst] = self._file(piece["file"]).get_box(piece.get("key", name), src)
             covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
         if covered < int(np.prod(shape)):
             raise ValueError(f"{self.path}: the pieces of {name} cover {covered} of the "

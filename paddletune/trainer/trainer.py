@@ -69,13 +69,26 @@ class Trainer:
             n: p for n, p in model.named_parameters() if not p.stop_gradient}
         if not self.trainable:
             raise ValueError("no trainable parameters")
+        # tensor parallel: parameters are DTensors (parallel/tensor.py); PEFT's new ones are placed
+        # now, the loss runs on vocabulary shards, the optimizer updates the local shards
+        self.tp = getattr(model, "tensor_parallel", None)
+        if self.tp is not None:
+            from ..parallel import tensor as tensor_parallel, vocab
+
+            tensor_parallel.finalize(model, self.tp)
+            params = dict(model.named_parameters())
+            self.trainable = {n: params[n] for n in self.trainable}
+            if loss_fn is not None:
+                raise ValueError("this loss (R-Drop) has no tensor-parallel form yet; set "
+                                 "tensor_parallel_degree to 1")
+            loss_fn = vocab.tp_causal_lm_loss
         self.export_fn = export_fn or self._default_export
         self.train_source = train_source
         self.callbacks = list(callbacks)
         self.loss_fn = loss_fn or causal_lm_loss   # f(model, batch) -> models.loss.LossOutput
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
-        self.optimizer = AdamW(self.trainable.items(), lr_scales, (args.adam_beta1, args.adam_beta2),
-                               args.adam_epsilon, args.weight_decay)
+        self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()), lr_scales,
+                               (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
         self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
@@ -85,10 +98,24 @@ class Trainer:
         self.model.recompute = bool(args.recompute)
 
     # ---------------------------------------------------------------- setup
+    def _local(self, t):
+        """A DTensor's local shard (tensor parallel), else the tensor itself."""
+        return t._local_value() if self.tp is not None and t is not None and t.is_dist() else t
+
     def _default_export(self, out_dir):
         from ..models import save_pretrained
 
-        save_pretrained(self.model, out_dir, tokenizer=self.tokenizer)
+        if self.tp is None:
+            save_pretrained(self.model, out_dir, tokenizer=self.tokenizer)
+            return
+        from ..parallel import tensor as tensor_parallel
+
+        state = tensor_parallel.gathered_state(self.model, self.tp)   # a collective per tensor
+        if self.main:
+            save_pretrained(self.model, out_dir, tokenizer=self.tokenizer, state=state)
+        else:
+            for _ in state:
+                pass
 
     def _source(self):
         if self.train_source is not None:
@@ -134,12 +161,17 @@ class Trainer:
             (loss_sum / max(n_global, 1.0)).backward()
             loss_acc = loss_acc + loss_sum.detach().astype("float32")
         names = list(self.trainable)
-        grads = [self.trainable[n].grad if self.trainable[n].grad is not None
-                 else paddle.zeros(self.trainable[n].shape, self.trainable[n].dtype) for n in names]
+        grads = [self._grad(self.trainable[n]) for n in names]
         grads = self.topo.all_reduce_grads(grads)
         # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
         # per step lets clipping scale in place with a python float (no temporaries)
-        norm = paddle.sqrt(paddle.add_n([paddle.square(g.astype("float32")).sum() for g in grads]))
+        squares = [paddle.square(g.astype("float32")).sum() for g in grads]
+        if self.tp is None:
+            norm = paddle.sqrt(paddle.add_n(squares))
+        else:   # the whole model's norm: split slices summed over TP ranks, replicas counted once
+            from ..parallel.tensor import global_grad_norm, is_split
+
+            norm = global_grad_norm(squares, [is_split(self.trainable[n]) for n in names], self.tp)
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             factor = max_norm / (float(norm) + 1e-6)
@@ -151,6 +183,11 @@ class Trainer:
         for p in self.trainable.values():
             p.clear_gradient(False)
         return loss_acc / max(n_global, 1.0), norm, n_global, real_global
+
+    def _grad(self, p):
+        if p.grad is None:
+            return paddle.zeros(self._local(p).shape, p.dtype)
+        return self._local(p.grad)
 
     # ---------------------------------------------------------------- loop
     def train(self):
@@ -274,7 +311,7 @@ class Trainer:
             out = self._forward(self.collate([ds[i] for i in idx]))
             loss_sum += out.loss_sum.astype("float32")
             count += out.num_tokens
-            correct += (out.label_logits.argmax(-1) == out.label_targets).astype("float32").sum()
+            correct += (out.predictions() == out.label_targets).astype("float32").sum()
         total = self.topo.all_reduce_sum(paddle.stack([loss_sum, count, correct]))
         loss_sum, count, correct = (float(x) for x in total.numpy())
         loss = loss_sum / max(count, 1.0)
@@ -321,9 +358,39 @@ class Trainer:
         return [p["state"] for p in sorted((p for p in parts if p["lead"]), key=lambda p: p["data_rank"])]
 
     def _pieces(self):
-        """This rank's slices of the trainable tensors and their optimizer state."""
+        """This rank's slices of the trainable tensors and their optimizer state, as checkpoint
+        pieces (full-model names, global boxes). Under TP a replicated tensor is written by the
+        first TP rank only."""
         tensors, meta = self.optimizer.state_dict()
-        return ckpt.whole(ckpt.arrays(self.trainable)), ckpt.whole(tensors), meta
+        if self.tp is None:
+            return ckpt.whole(ckpt.arrays(self.trainable)), ckpt.whole(tensors), meta
+        from ..parallel.tensor import box_pieces, is_split
+
+        model_pieces, optim_pieces = [], []
+        for n, p in self.trainable.items():
+            if not is_split(p) and self.tp.rank != 0:
+                continue
+            arrays = {n: self._local(p).numpy(), f"{n}.exp_avg": tensors[f"{n}.exp_avg"],
+                      f"{n}.exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
+            boxes = box_pieces(self.model, n, p, self.tp)
+            for key, arr in arrays.items():
+                out = model_pieces if key == n else optim_pieces
+                for i, (start, shape, idx) in enumerate(boxes):
+                    out.append(ckpt.Piece(key, np.ascontiguousarray(arr[idx]), shape, start,
+                                          key if len(boxes) == 1 else f"{key}@{i}"))
+        return model_pieces, optim_pieces, meta
+
+    def _read_local(self, reader, name, p, kind="model", key=None):
+        """This rank's slice of `key` (default `name`) from any layout's checkpoint."""
+        key = key or name
+        if self.tp is None:
+            return reader.read(key, kind)
+        from ..parallel.tensor import box_pieces
+
+        out = np.zeros(self._local(p).shape, np.float32)
+        for start, shape, idx in box_pieces(self.model, name, p, self.tp):
+            out[idx] = reader.read(key, kind, start, shape)
+        return out
 
     def save_checkpoint(self):
         step = self.state["global_step"]
@@ -359,7 +426,9 @@ class Trainer:
         missing = [k for k in names if k not in reader.index["optimizer"]]
         if missing:
             raise ValueError(f"{path}: optimizer state lacks {missing[0]}: checkpoint from a different setup?")
-        self.optimizer.load_state_dict({k: reader.read(k, "optimizer") for k in names}, state.pop("optimizer"))
+        tensors = {f"{n}.{s}": self._read_local(reader, n, p, "optimizer", f"{n}.{s}")
+                   for n, p in self.trainable.items() for s in ("exp_avg", "exp_avg_sq")}
+        self.optimizer.load_state_dict(tensors, state.pop("optimizer"))
         reader.release()
         rngs = state.pop("rng")
         data = state.pop("data_state", None)
@@ -401,9 +470,15 @@ class Trainer:
             raise ValueError(f"{path}: checkpoint lacks trainable tensors {missing[:3]} "
                              "(was it written by a different model or PEFT method?)")
         for n, p in self.trainable.items():
-            if reader.global_shape(n) != list(p.shape):
-                raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {list(p.shape)}")
-            p.set_value(reader.read(n))
+            want = list(p.shape)
+            if self.tp is not None:
+                from ..parallel.tensor import real_shape
+                from ..parallel.plan import param_split
+
+                want = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, want))
+            if reader.global_shape(n) != want:
+                raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
+            self._local(p).set_value(self._read_local(reader, n, p))
 
     def _finish(self):
         a, st = self.args, self.state
@@ -416,7 +491,16 @@ class Trainer:
                 if self.main:
                     logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
                                 st["best_metric"], path)
-        if self.main:
+        if self.tp is not None and self.export_fn == self._default_export:
+            self.export_fn(a.output_dir)                 # every rank: the tensors are gathered
+        elif self.tp is not None:                        # PEFT: the adapter's tensors gathered
+            from ..parallel.tensor import full_params
+
+            with full_params(self.model, self.tp, list(self.trainable)):
+                if self.main:
+                    self.export_fn(a.output_dir)
+        elif self.main:
             self.export_fn(a.output_dir)
+        if self.main:
             logger.info("model saved to %s", os.path.abspath(a.output_dir))
         self.topo.barrier()

@@ -1,0 +1,62 @@
+"""CPU-only shims of paddle internals (paddle 3.3.1), installed on CPU builds only.
+
+Each shim is gated on `not paddle.is_compiled_with_cuda()` and does nothing on NCCL builds; each
+has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the internal it wraps.
+
+1. gloo groups (`new_group`): paddle creates every gloo process group over the one global
+   TCPStore with no per-group key prefix, so groups formed one after another repeat the same
+   handshake keys and a 4-process job with overlapping groups ([0,1],[2,3] and [0,2],[1,3])
+   fails with "Connection refused" (gloo pair.cc). Each non-global gloo group gets its own
+   TCPStore instead, hosted by the group's first rank on the job's master port + 1000 + the
+   group id (that rank's host from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when absent). The shim
+   wraps paddle.distributed.collective._new_process_group_impl for the duration of one
+   new_group call.
+"""
+import contextlib
+import os
+
+import paddle
+
+
+def _endpoint_host(global_rank):
+    eps = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
+    return eps[global_rank].rsplit(":", 1)[0] if global_rank < len(eps) else "127.0.0.1"
+
+
+def _master_port():
+    master = os.environ.get("PADDLE_MASTER", "")
+    if ":" in master:
+        return int(master.rsplit(":", 1)[1])
+    eps = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
+    return int(eps[0].rsplit(":", 1)[1]) if eps else 6170
+
+
+@contextlib.contextmanager
+def _own_store(ranks, world):
+    import paddle.distributed.collective as collective
+
+    original = collective._new_process_group_impl
+
+    def impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):
+        if backend == "gloo" and 1 < world_size < world:
+            store = paddle.base.core.TCPStore(_endpoint_host(ranks[0]), _master_port() + 1000 + group_id,
+                                              rank == 0, world_size, 900)
+        return original(backend, store, rank, world_size, group_name, pg_options, group_id,
+                        *args, **kwargs)
+
+    collective._new_process_group_impl = impl
+    try:
+        yield
+    finally:
+        collective._new_process_group_impl = original
+
+
+def new_group(ranks, world):
+    """paddle.distributed.new_group(ranks); on CPU builds through the per-group-store shim."""
+    import paddle.distributed as dist
+
+    ranks = sorted(ranks)
+    if paddle.is_compiled_with_cuda():
+        return dist.new_group(ranks)
+    with _own_store(ranks, world):
+        return dist.new_group(ranks)

@@ -1,0 +1,409 @@
+"""Tensor parallelism on paddle's auto-parallel engine: DTensor parameters, local execution.
+
+Parameters are DTensors on the tensor-parallel ProcessMesh, placed by the model's plan
+(parallel/plan.py: Shard along the split axis, or Replicate). Each rank creates only its slice
+(`dtensor_from_local` from the slice read off the checkpoint; no rank ever holds a full weight).
+
+Compute runs on the local shards. Every module that holds parameters (each decoder block, the
+embedding, the final norm, the head, the prefix encoder) runs with its DTensor parameters swapped
+for their differentiable local views (`dtensor_to_local`, the engine's boundary op; gradients land
+on the DTensors with their placements) - so the model code, paddletune's CPU kernels, the KV cache
+and packed-row attention run unchanged on local tensors. Why not the engine's per-op SPMD
+propagation: measured here (paddle 3.3.1, gloo), it all-gathers the vocab-sharded embedding
+weight (forward and backward), the attention scores around masked_fill and the logits before
+cross-entropy, and all-reduces partial input gradients once per consumer (3x for q/k/v); custom
+CPU kernels cannot take DTensors at all, and dense caches that meet a DTensor turn into DTensors in
+place. Running locally with Megatron's two collectives gives exactly the communication TP needs:
+
+    f  (copy_to_tp):     forward identity,   backward all-reduce   - the input of a column layer
+    g  (reduce_from_tp): forward all-reduce, backward identity     - the output of a row layer
+
+Per decoder layer that is one all-reduce of [tokens, H] after attention and one after the MLP in
+forward, and one per column-layer input group in backward (q/k/v share one: the last input seen
+is remembered, so layers fed the same tensor enter the parallel region once). The vocabulary-
+parallel embedding is a masked local lookup followed by g. LoRA under a column layer runs its A
+(replicated) before f on the rank-r activation; under a row layer its A (split) ends in g on the
+rank-r activation, so adapters add only [tokens, r] all-reduces. Dropout on a split activation
+draws the full-shape mask from the shared generator and keeps this rank's slice, so masks equal
+the single-process run's.
+"""
+import contextlib
+import logging
+import types
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn as nn
+import paddle.nn.functional as F
+from paddle.autograd import PyLayer
+
+from .plan import module_kind, param_split, slice_array
+
+logger = logging.getLogger("paddletune")
+
+
+class TensorParallel:
+    """This rank's tensor-parallel group: degree, index, paddle group, ProcessMesh. `log`, when a
+    list, records every collective as (op, shape) (tests assert what was communicated)."""
+
+    def __init__(self, topo):
+        self.degree, self.rank = topo.tp_degree, topo.tp_rank
+        ranks = topo.ranks("tp")
+        self.group = None if len(ranks) == topo.world_size else topo.groups["tp"]
+        self.mesh = dist.ProcessMesh(ranks, dim_names=["tp"])
+        self.log = None
+        self._memo = (None, None)   # (last column-layer input, its f(.)): q/k/v share one f
+
+    def all_reduce(self, t, op="sum"):
+        if self.log is not None:
+            self.log.append((f"all_reduce_{op}", list(t.shape)))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def placements(self, split):
+        return [dist.Replicate()] if split.axis is None else [dist.Shard(split.axis)]
+
+    def enter(self, x):
+        """f on a column layer's input, once per distinct input tensor."""
+        last, fx = self._memo
+        if last is x:
+            return fx
+        fx = copy_to_tp(x, self)
+        self._memo = (x, fx)
+        return fx
+
+
+class _CopyToTP(PyLayer):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.tp.all_reduce(dy.clone())
+
+
+class _ReduceFromTP(PyLayer):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def copy_to_tp(x, tp):
+    """f: identity forward, all-reduce of the gradient backward (partial input gradients)."""
+    return _CopyToTP.apply(x, tp) if not x.stop_gradient else x
+
+
+def reduce_from_tp(x, tp):
+    """g: all-reduce forward (partial sums of a row layer), identity backward."""
+    return _ReduceFromTP.apply(x, tp)
+
+
+def sliced_dropout(x, p, axis, tp, training=True):
+    """Dropout of a tensor split along `axis`: the mask of the full tensor is drawn (as the single
+    process draws it) and this rank's slice kept, so every rank's mask is the one-process mask's."""
+    if not training or p <= 0:
+        return x
+    shape = list(x.shape)
+    full = shape[:]
+    full[axis] = shape[axis] * tp.degree
+    mask = F.dropout(paddle.ones(full, x.dtype), p, training=True)
+    lo = tp.rank * shape[axis]
+    return x * paddle.slice(mask, [axis % len(full)], [lo], [lo + shape[axis]])
+
+
+# ------------------------------------------------------------------------------ executors
+
+def _linear(layer, x):
+    """x @ W without the bias: paddle Linear (W local [in, out]) or a quantized linear."""
+    if isinstance(layer, nn.Linear):
+        return paddle.matmul(x, layer.weight)
+    return layer.algo.matmul(x, layer)
+
+
+def column_forward(tp):
+    def forward(self, x):
+        y = _linear(self, tp.enter(x))
+        return y if self.bias is None else y + self.bias.astype(y.dtype)
+    return forward
+
+
+def row_forward(tp):
+    def forward(self, x):
+        y = reduce_from_tp(_linear(self, x), tp)
+        return y if self.bias is None else y + self.bias.astype(y.dtype)   # added once, after the sum
+    return forward
+
+
+def vocab_embedding_forward(tp):
+    """Local rows [rank*Vl, (rank+1)*Vl) of the vocabulary; other ids give 0 here, g sums."""
+    def forward(self, ids):
+        vl = self.weight.shape[0]
+        loc = ids - tp.rank * vl
+        inside = (loc >= 0) & (loc < vl)
+        out = F.embedding(paddle.where(inside, loc, paddle.zeros_like(loc)), self.weight)
+        return reduce_from_tp(out * inside.unsqueeze(-1).astype(out.dtype), tp)
+    return forward
+
+
+# ------------------------------------------------------------------------------ local views
+
+@contextlib.contextmanager
+def local_params(module, skip=()):
+    """Within the block, `module`'s DTensor parameters (except those of sub-modules in `skip`) are
+    replaced by their differentiable local views; plain tensors stay as they are."""
+    swapped = []
+    skip_ids = {id(m) for m in skip}
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in skip_ids:
+            continue
+        for leaf, p in list(m._parameters.items()):
+            if p is not None and p.is_dist():
+                m._parameters[leaf] = dist.auto_parallel.api.dtensor_to_local(p, p.process_mesh, p.placements)
+                swapped.append((m, leaf, p))
+        stack.extend(m._sub_layers.values())
+    try:
+        yield
+    finally:
+        for m, leaf, p in swapped:
+            m._parameters[leaf] = p
+
+
+def run_locally(module, method="forward", skip=()):
+    """Replace module.<method> by the same method run inside local_params(module)."""
+    original = getattr(module, method)
+
+    def wrapped(*args, **kwargs):
+        with local_params(module, skip):
+            return original(*args, **kwargs)
+    setattr(module, method, wrapped)
+
+
+def local(t):
+    """The local value of a DTensor (a parameter's shard or a gradient's), else `t`."""
+    return t._local_value() if t is not None and t.is_dist() else t
+
+
+def is_split(p):
+    return p.is_dist() and any(isinstance(pl, dist.Shard) for pl in p.placements)
+
+
+# ------------------------------------------------------------------------------ parameters
+
+def make_param(local_array, split, tp, name, trainable):
+    """A DTensor parameter on tp.mesh from this rank's slice (numpy, paddle layout)."""
+    from paddle.base.framework import EagerParamBase
+
+    t = dist.auto_parallel.api.dtensor_from_local(paddle.to_tensor(np.ascontiguousarray(local_array)),
+                                                  tp.mesh, tp.placements(split))
+    p = EagerParamBase.from_tensor(t, name=name)
+    p.stop_gradient = not trainable
+    return p
+
+
+def set_param(model, name, param):
+    head, _, leaf = name.rpartition(".")
+    owner = model
+    for part in head.split(".") if head else []:
+        owner = getattr(owner, part)
+    owner._parameters[leaf] = param
+
+
+def place_dense_params(model, tp):
+    """Every parameter still dense (created after loading: adapters, prefixes, BitFit biases)
+    becomes a DTensor: its slice under the plan, or replicated. Their values were drawn in the
+    same order with the same seed as in one process, so a TP run starts from the same adapter."""
+    placed = 0
+    for name, p in list(model.named_parameters()):
+        if p.is_dist():
+            continue
+        split = param_split(model.spec, model.config, name, list(p.shape))
+        arr = slice_array(p.numpy(), split, tp.rank, tp.degree)
+        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient))
+        placed += 1
+    return placed
+
+
+def real_shape(model, p, split):
+    """Global shape of a parameter without vocabulary padding (what checkpoints and exports hold)."""
+    shape = list(p.shape)
+    if split.pad:
+        shape[split.axis] = model.config.vocab_size
+    return shape
+
+
+def full_array(model, name, p, tp):
+    """The whole tensor of parameter `p` (global shape, vocabulary padding removed) on every rank:
+    one all-gather of its slices. For exports only - never in a training step."""
+    from .plan import merge_arrays
+
+    loc = local(p).numpy()
+    if not p.is_dist() or not is_split(p):
+        return loc
+    split = param_split(model.spec, model.config, name, list(p.shape))
+    if tp.log is not None:
+        tp.log.append(("all_gather_export", list(loc.shape)))
+    parts = []
+    dist.all_gather(parts, paddle.to_tensor(loc), group=tp.group)
+    return merge_arrays([x.numpy() for x in parts], split, real_shape(model, p, split))
+
+
+def gathered_state(model, tp):
+    """(name, whole array) of every parameter, one tensor at a time (a collective each: every
+    rank of the group must iterate it in step; only one rank writes)."""
+    for name, p in model.named_parameters():
+        yield name, full_array(model, name, p, tp)
+
+
+@contextlib.contextmanager
+def full_params(model, tp, names):
+    """Within the block, the parameters `names` are whole dense tensors on every rank (gathered
+    one by one), so adapter exporters read them as in one process."""
+    from paddle.base.framework import EagerParamBase
+
+    params = dict(model.named_parameters())
+    saved = []
+    for name in names:
+        p = params[name]
+        full = EagerParamBase.from_tensor(paddle.to_tensor(full_array(model, name, p, tp)), name=p.name)
+        saved.append((name, p))
+        set_param(model, name, full)
+    try:
+        yield
+    finally:
+        for name, p in saved:
+            set_param(model, name, p)
+
+
+def box_pieces(model, name, p, tp):
+    """[(global start, shape, local index)] of the boxes of the global tensor this rank's slice
+    of `name` covers (several for fused parts), for checkpoints."""
+    split = param_split(model.spec, model.config, name, list(p.shape))
+    shape = real_shape(model, p, split)
+    if not is_split(p):
+        return [([0] * len(shape), shape, tuple(slice(None) for _ in shape))]
+    out = []
+    for g0, n, l0 in split.boxes(shape, tp.rank, tp.degree):
+        start, size, idx = [0] * len(shape), list(shape), [slice(None)] * len(shape)
+        start[split.axis], size[split.axis], idx[split.axis] = g0, n, slice(l0, l0 + n)
+        out.append((start, size, tuple(idx)))
+    return out
+
+
+def global_grad_norm(sq_terms, split_flags, tp):
+    """sqrt of the whole model's sum of squared gradients: split parameters' local sums are
+    added over the tensor-parallel ranks, replicated ones (equal on every rank) counted once."""
+    split = [s for s, f in zip(sq_terms, split_flags) if f]
+    rep = [s for s, f in zip(sq_terms, split_flags) if not f]
+    total = paddle.zeros([], "float32")
+    if split:
+        total = total + tp.all_reduce(paddle.add_n(split).clone() if len(split) > 1 else split[0].clone())
+    if rep:
+        total = total + paddle.add_n(rep)
+    return paddle.sqrt(total)
+
+
+# ------------------------------------------------------------------------------ installing
+
+def install(model, tp):
+    """Apply the plan's executors and local execution to a model whose parameters are DTensors
+    (models.load_model calls this under TP). Idempotent for adapters added later: call
+    `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
+    spec = model.spec
+    for name, m in model.named_sublayers():
+        kind = module_kind(spec, name)
+        if kind is None or getattr(m, "_pt_tp", False) or not hasattr(m, "weight") and not hasattr(m, "algo"):
+            continue
+        fwd = {"column": column_forward, "row": row_forward, "vocab": vocab_embedding_forward}[kind](tp)
+        m.forward = types.MethodType(fwd, m)
+        m._pt_tp = kind
+    blocks = list(model.decoder_layers())
+    for block in blocks:
+        run_locally(block)
+    run_locally(model, "forward", skip=blocks)
+    run_locally(model, "logits", skip=blocks)
+    model.tensor_parallel = tp
+    model.heads_dropout = lambda x, p, training: sliced_dropout(x, p, 1, tp, training)
+    return model
+
+
+def finalize(model, tp):
+    """After PEFT: place the new parameters, hook LoRA's collectives and the prefix encoder."""
+    from ..peft.lora import LoRALinear
+
+    placed = place_dense_params(model, tp)
+    for name, m in model.named_sublayers():
+        if isinstance(m, LoRALinear) and not getattr(m, "_pt_tp", False):
+            kind = module_kind(model.spec, name)
+            if kind == "column":
+                m.between = lambda z: copy_to_tp(z, tp)          # f on x @ A [.., r]
+            elif kind == "row":
+                m.between = lambda z: reduce_from_tp(z, tp)      # g on x_local @ A_local [.., r]
+                m.input_dropout = lambda x, p, training: sliced_dropout(x, p, -1, tp, training)
+            m._pt_tp = True
+    enc = getattr(model, "prefix_encoder", None)
+    if enc is not None and not getattr(enc, "_pt_tp", False):
+        run_locally(enc, "cache")
+        run_locally(enc, "prefix_kv")
+        model.cache_hook = enc.cache
+        enc._pt_tp = True
+    return placed
+
+
+# ------------------------------------------------------------------------------ sliced loading
+
+def read_local(reader, spec, name, split, shape, tp):
+    """This rank's slice of checkpoint tensor `name` (paddle layout, global paddle `shape`),
+    reading only its boxes from the file (vocabulary padding rows are zeros)."""
+    from ..models import hf
+
+    if split.axis is None:
+        return hf.read_slice(reader, spec, name)
+    out = np.zeros(split.local_shape(shape, tp.degree), np.float32)
+    for g0, n, l0 in split.boxes(shape, tp.rank, tp.degree):
+        part = hf.read_slice(reader, spec, name, split.axis, g0, g0 + n)
+        idx = [slice(None)] * out.ndim
+        idx[split.axis] = slice(l0, l0 + n)
+        out[tuple(idx)] = part
+    return out
+
+
+def load_sharded(model, path, tp, reader=None):
+    """Fill a lazily built model with this rank's slices (models.load_model under TP): every
+    parameter becomes a DTensor holding only its slice; quantized linears quantize their slice."""
+    from ..models import hf
+    from ..models import check_checkpoint_shapes
+
+    spec, cfg = model.spec, model.config
+    reader = reader or hf.CheckpointReader(path)
+    params = dict(model.named_parameters())
+    quantized = {m.weight_name: m for m in model.sublayers()
+                 if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+    check_checkpoint_shapes(model, path, spec, reader, params, quantized)
+    for name, p in params.items():
+        split = param_split(spec, cfg, name, list(p.shape))
+        arr = read_local(reader, spec, name, split, list(p.shape), tp).astype(np.float32, copy=False)
+        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient))
+        _unmap(reader, name)
+    for name, q in quantized.items():
+        split = param_split(spec, cfg, name, [q.in_features, q.out_features])
+        local = read_local(reader, spec, name, split, [q.in_features, q.out_features], tp)
+        q.in_features, q.out_features = local.shape
+        q.set_weight(hf.linear_to_hf(local))
+        _unmap(reader, name)
+    return model
+
+
+def _unmap(reader, name):
+    files = getattr(reader, "files", None)
+    f = files.get(name) if isinstance(files, dict) else None
+    if f is not None and hasattr(f, "release"):
+        f.release()

@@ -1,0 +1,149 @@
+"""Vocabulary-parallel operations on local logit shards: the loss, argmax, log-softmax.
+
+Rank r of a tensor-parallel group of degree t holds vocabulary columns [r*Vl, (r+1)*Vl) of the LM
+head (Vl = ceil(V / t); columns >= V on the last rank are padding and never win a softmax). The
+full-vocabulary logits are never formed or gathered; per row only a few numbers cross ranks.
+
+Cross-entropy of row i with target y (z_v = h_i . W_v over this rank's columns):
+    M = max over ranks of max_v z_v                     all-reduce MAX  [n]
+    S = sum over ranks of sum_v exp(z_v - M)            all-reduce SUM  [n, 2] (with the next)
+    T = z_y on the rank that owns y, 0 elsewhere, summed
+    loss_i = log S + M - T;   dL/dz_v = softmax_v - [v == y]   (local columns only)
+    dL/dh = sum over ranks of (p - onehot) W^T          all-reduce SUM  [n, H] in backward
+    dL/dW_local = h^T (p - onehot)                      local
+Forward: two small all-reduces per block of rows; backward: one [n, H] all-reduce (the head's
+input is replicated, its gradient is a sum over vocabulary shards). Why by hand: paddle's
+engine computes cross-entropy on Shard(-1) logits by all-gathering them first ([n, V] per rank).
+"""
+import paddle
+from paddle.autograd import PyLayer
+
+from ..models.linear_ce import LinearCrossEntropy
+from ..models.loss import LossOutput, MODEL_KEYS, linear_head, select_targets
+from .tensor import copy_to_tp
+
+NEG = -1e30
+
+
+def _local_logits(h, w, transposed, tp, vocab):
+    """[n, Vl] float32 logits of this rank's columns; padding columns at NEG."""
+    z = paddle.matmul(h, w, transpose_y=transposed).astype("float32")
+    vl = z.shape[-1]
+    pad = (tp.rank + 1) * vl - vocab
+    if pad > 0:
+        keep = paddle.arange(vl) < vl - pad
+        z = paddle.where(keep.unsqueeze(0), z, paddle.full_like(z, NEG))
+    return z
+
+
+def _target_parts(z, t, tp):
+    """(local column of each target or 0, mask of targets this rank owns)."""
+    vl = z.shape[-1]
+    loc = t - tp.rank * vl
+    mine = (loc >= 0) & (loc < vl)
+    return paddle.where(mine, loc, paddle.zeros_like(loc)), mine
+
+
+def sharded_ce_rows(z, t, tp):
+    """Per-row cross-entropy [n] and softmax p [n, Vl] from local logits z (no autograd)."""
+    m = z.max(axis=-1, keepdim=True)
+    tp.all_reduce(m, "max")
+    e = paddle.exp(z - m)
+    loc, mine = _target_parts(z, t, tp)
+    picked = paddle.take_along_axis(z, loc.unsqueeze(-1), axis=-1).squeeze(-1) * mine.astype(z.dtype)
+    both = tp.all_reduce(paddle.stack([e.sum(-1), picked], axis=-1))
+    loss = paddle.log(both[:, 0]) + m.squeeze(-1) - both[:, 1]
+    return loss, e / both[:, :1], loc, mine
+
+
+class VocabParallelCE(PyLayer):
+    """VocabParallelCE.apply(h [n, H], w_local, targets [n], transposed, tp, vocab) -> summed CE.
+    Rows are processed in blocks (as LinearCrossEntropy); the gradients are formed in forward."""
+
+    @staticmethod
+    def forward(ctx, h, w, t, transposed, tp, vocab):
+        vl = w.shape[0] if transposed else w.shape[1]
+        rows = max(1, LinearCrossEntropy.BLOCK_ELEMENTS // 4 // vl)
+        want_dh, want_dw = not h.stop_gradient, not w.stop_gradient
+        loss, dh, dw = None, [], None
+        with paddle.no_grad():
+            hd, wd = h.detach(), w.detach()
+            for lo in range(0, h.shape[0], rows):
+                hc, tc = hd[lo:lo + rows], t[lo:lo + rows]
+                lc, p, loc, mine = sharded_ce_rows(_local_logits(hc, wd, transposed, tp, vocab), tc, tp)
+                onehot = paddle.nn.functional.one_hot(loc, vl) * mine.astype(p.dtype).unsqueeze(-1)
+                g = p - onehot                                            # dL/dz, local columns
+                loss = lc.sum() if loss is None else loss + lc.sum()
+                if want_dh:
+                    dh.append(paddle.matmul(g.astype(wd.dtype), wd, transpose_y=not transposed))
+                if want_dw:
+                    hc32 = hc.astype("float32")
+                    part = paddle.matmul(g, hc32, transpose_x=True) if transposed else paddle.matmul(hc32, g, transpose_x=True)
+                    dw = part if dw is None else dw.add_(part)
+        ctx.tp, ctx.dtypes = tp, (h.dtype, w.dtype)
+        ctx.dh = (paddle.concat(dh) if len(dh) > 1 else dh[0]) if want_dh else None
+        ctx.dw = dw
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        dh = None
+        if ctx.dh is not None:   # the sum over vocabulary shards of every rank's partial dh
+            dh = (ctx.tp.all_reduce(ctx.dh.clone()) * g).astype(ctx.dtypes[0])
+        dw = (ctx.dw * g).astype(ctx.dtypes[1]) if ctx.dw is not None else None
+        return dh, dw
+
+
+class _ShardedCE(PyLayer):
+    """Summed CE over local logits z [n, Vl] (autograd through z): for eval / R-Drop paths that
+    keep the logits."""
+
+    @staticmethod
+    def forward(ctx, z, t, tp):
+        loss, p, loc, mine = sharded_ce_rows(z.detach(), t, tp)
+        onehot = paddle.nn.functional.one_hot(loc, z.shape[-1]) * mine.astype(p.dtype).unsqueeze(-1)
+        ctx.g = p - onehot
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.g * g
+
+
+def sharded_argmax(z, tp):
+    """Global argmax [n] (lowest index on ties, as paddle.argmax) of local logits z [n, Vl]: the
+    row maxima are all-reduced (MAX), then the lowest column index reaching it (MAX of -index)."""
+    with paddle.no_grad():
+        m = z.max(axis=-1)
+        top = tp.all_reduce(m.clone(), "max")
+        idx = paddle.argmax(z, axis=-1).astype("float64") + tp.rank * z.shape[-1]
+        cand = paddle.where(m >= top, -idx, paddle.full_like(idx, -1e300))
+        return (-tp.all_reduce(cand, "max")).astype("int64")
+
+
+def tp_causal_lm_loss(model, batch, keep_logits=False):
+    """models.loss.causal_lm_loss for a tensor-parallel model (see the module docstring): the
+    hidden states are replicated, the head and its loss run on this rank's vocabulary shard."""
+    tp = model.tensor_parallel
+    inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS}
+    hidden = model(**inputs, return_hidden=True).hidden_states
+    h_sel, t_sel = select_targets(hidden, batch["labels"])
+    n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
+    head = linear_head(model)
+    if head is None:
+        raise ValueError("tensor parallelism needs a plain linear LM head (no LoRA / bias on it)")
+    w, transposed = head
+    w = _local_view(w)
+    vocab = model.config.vocab_size
+    if model.training and not keep_logits and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
+        return LossOutput(VocabParallelCE.apply(h_sel, w, t_sel, transposed, tp, vocab), n, None, t_sel)
+    z = _local_logits(copy_to_tp(h_sel, tp), w, transposed, tp, vocab)
+    out = LossOutput(_ShardedCE.apply(z, t_sel, tp), n, z, t_sel)
+    out.label_argmax = sharded_argmax(z, tp)
+    return out
+
+
+def _local_view(p):
+    import paddle.distributed as dist
+
+    return dist.auto_parallel.api.dtensor_to_local(p, p.process_mesh, p.placements) if p.is_dist() else p
