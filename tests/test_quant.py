@@ -15,7 +15,8 @@ import pytest
 from conftest import hf_checkpoint
 
 from paddletune.quant import (ALGORITHMS, FP4, FP4_E2M1, INT4, NF4, QuantConfig, QuantizedLinear,
-                              pack_nibbles, quant_report, quantize_model, unpack_nibbles)
+                              pack_nibbles, quant_report, quantize_model, quantized_layers,
+                              unpack_nibbles)
 from paddletune.quant import weight_only
 
 FOUR_BIT = ("weight_only_int4", "nf4", "fp4")
@@ -30,28 +31,49 @@ def levels(algo):
     return {"weight_only_int4": INT4, "nf4": NF4, "fp4": FP4}[algo].astype(np.float64)
 
 
-def brute_force(w, algo, bs=64, double_quant=False, group=256):
-    """Independent reference: dequantized W [out, in] (float64) by exhaustive nearest level."""
+# llama's row-parallel modules (TP plan "row"): quantized with blocks along `out`, so that a
+# split of their input features cuts whole lines (paddletune/quant/weight_only.py)
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def reference_axis(module_name):
+    return "out" if module_name.rsplit(".", 1)[-1] in ROW_PARALLEL else "in"
+
+
+def brute_force(w, algo, bs=64, double_quant=False, group=256, block_axis="in"):
+    """Independent reference: dequantized W [out, in] (float64) by exhaustive nearest level.
+
+    Each line (a row of W for block_axis "in"; a column for "out", i.e. the "in" case of W^T) is
+    cut into ceil(L/bs) blocks, the last zero-padded; int8 takes one scale per line. Double
+    quantization works per line too: the mean of the line's absmaxes, int8 codes around it with a
+    scale per `group` blocks of the line, used only where that is smaller than float32 absmaxes
+    (nb + 4*ceil(nb/group) + 4 < 4*nb bytes per line)."""
+    if block_axis == "out":
+        return brute_force(w.T, algo, bs, double_quant, group).T
     if algo == "weight_only_int8":
         s = np.abs(w).max(1, keepdims=True) / 127.0
         return np.clip(np.round(w / s), -127, 127) * s
-    flat = w.reshape(-1).astype(np.float64)
-    n = flat.size
-    blocks = np.concatenate([flat, np.zeros(-n % bs)]).reshape(-1, bs)
-    a = np.abs(blocks).max(1).astype(np.float32)
+    rows, length = w.shape
+    nb = -(-length // bs)
+    padded = np.concatenate([w.astype(np.float64), np.zeros((rows, nb * bs - length))], 1)
+    blocks = padded.reshape(rows, nb, bs)
+    a = np.abs(blocks).max(2).astype(np.float32)
     lv = levels(algo)[1:] if algo == "weight_only_int4" else levels(algo)   # int4 code 0 unused
-    v = blocks / np.where(a > 0, a, 1)[:, None]
+    v = blocks / np.where(a > 0, a, 1)[..., None]
     q = lv[np.abs(v[..., None] - lv).argmin(-1)]
-    if double_quant:
-        m = np.float32(a.mean())
-        r = np.concatenate([a - m, np.zeros(-a.size % group, np.float32)]).reshape(-1, group)
-        c = np.abs(r).max(1, keepdims=True) / np.float32(127)
-        a = (np.round(r / c) * c).reshape(-1)[:a.size] + m
-    return (q * a[:, None].astype(np.float64)).reshape(-1)[:n].reshape(w.shape)
+    ng = -(-nb // group)
+    if double_quant and nb + 4 * ng + 4 < 4 * nb:
+        m = a.mean(1, keepdims=True, dtype=np.float64).astype(np.float32)
+        r = np.concatenate([a - m, np.zeros((rows, ng * group - nb), np.float32)], 1)
+        r = r.reshape(rows, ng, group)
+        c = np.abs(r).max(2, keepdims=True) / np.float32(127)
+        a = (np.round(r / c) * c).reshape(rows, -1)[:, :nb] + m
+    return (q * a[..., None].astype(np.float64)).reshape(rows, -1)[:, :length]
 
 
-def make_layer(w, algo, bs=64, dq=False, bias=None):
-    q = QuantizedLinear(w.shape[1], w.shape[0], QuantConfig(algo, bs, dq), bias=bias)
+def make_layer(w, algo, bs=64, dq=False, bias=None, block_axis="in", group=256):
+    q = QuantizedLinear(w.shape[1], w.shape[0], QuantConfig(algo, bs, dq, group), bias=bias,
+                        block_axis=block_axis)
     return q.set_weight(w)
 
 
@@ -109,13 +131,20 @@ def test_int8_exact_levels():
     np.testing.assert_allclose(make_layer(w, "weight_only_int8").dequantize().numpy().T, w, rtol=1e-6)
 
 
+@pytest.mark.parametrize("block_axis", ["in", "out"])
 @pytest.mark.parametrize("dq", [False, True])
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
-def test_matches_brute_force_quantizer(algo, dq):
+def test_matches_brute_force_quantizer(algo, dq, block_axis):
+    """Lines of 360 (block_axis "in") or 456 ("out") values, not multiples of 64: the last block
+    of every line is zero-padded; double quantization in groups of 5 blocks (lines of 6 and 8
+    blocks: the last group is short) is smaller than float32 absmaxes at both lengths, so it
+    applies to both."""
     rng = np.random.default_rng(3)
-    w = (rng.standard_normal((48, 80)) * 0.05).astype(np.float32)   # 80 % 64 != 0: blocks span rows
-    deq = make_layer(w, algo, 64, dq).dequantize().numpy().T.astype(np.float64)
-    ref = brute_force(w, algo, 64, dq)
+    w = (rng.standard_normal((456, 360)) * 0.05).astype(np.float32)
+    layer = make_layer(w, algo, 64, dq, block_axis=block_axis, group=5)
+    assert ("absmax_q" in layer.state_arrays()) == (dq and algo != "weight_only_int8")
+    deq = layer.dequantize().numpy().T.astype(np.float64)
+    ref = brute_force(w, algo, 64, dq, 5, block_axis)
     assert np.mean(np.isclose(deq, ref, rtol=1e-5, atol=1e-8)) > 0.999   # ties may differ
     assert (np.abs(deq - w) - np.abs(ref - w)).max() < 1e-6                 # never farther
 
@@ -154,25 +183,32 @@ def test_linear_output_vs_fp32(algo):
         assert abs(err / theory - 1) < 0.1, (err, theory)
 
 
+@pytest.mark.parametrize("block_axis", ["in", "out"])
 @pytest.mark.parametrize("algo", ["weight_only_int8", "nf4"])
-def test_backward_and_row_chunks(algo, monkeypatch):
-    """dx = dy @ W for the frozen W, chunked or not; no gradient for the weight."""
+def test_backward_and_line_chunks(algo, block_axis, monkeypatch):
+    """dx = dy @ W for the frozen W, chunked or not; no gradient for the weight. Chunks are runs
+    of whole lines (rows of W for block_axis "in", columns for "out"), each <= DEQUANT_CHUNK
+    dequantized elements counting the zero padding of a line's last block (the layout used to
+    flatten W, so chunks had to start on block boundaries instead)."""
     rng = np.random.default_rng(5)
-    w = (rng.standard_normal((40, 96)) * 0.1).astype(np.float32)    # 96 % 64: chunk rows align to 2
-    ref_w = brute_force(w, algo)
+    w = (rng.standard_normal((40, 96)) * 0.1).astype(np.float32)    # 96 % 64: padded lines
+    ref_w = brute_force(w, algo, block_axis=block_axis)
     x = rng.standard_normal((3, 96)).astype(np.float32)
     dy = rng.standard_normal((3, 40)).astype(np.float32)
+    n_lines, length = (40, 96) if block_axis == "in" else (96, 40)
+    padded = length if algo == "weight_only_int8" else -(-length // 64) * 64
     outs = []
-    for chunk in (1 << 24, 96 * 4):              # one chunk; 10 chunks of 4 rows
+    for chunk in (1 << 24, 96 * 4):              # one chunk; several
         monkeypatch.setattr(weight_only, "DEQUANT_CHUNK", chunk)
-        layer = make_layer(w, algo)
-        if chunk < 1 << 24:
-            assert len(weight_only.row_chunks(layer)) == 10
+        layer = make_layer(w, algo, block_axis=block_axis)
+        n_chunks = len(weight_only.line_chunks(layer))
+        assert n_chunks == (1 if chunk == 1 << 24 else -(-n_lines // (chunk // padded)))
         xt = paddle.to_tensor(x, stop_gradient=False)
         y = layer(xt)
         (y * paddle.to_tensor(dy)).sum().backward()
         outs.append((y.numpy(), xt.grad.numpy()))
         assert not list(layer.parameters())
+    assert n_chunks > 1
     for y, dx in outs:
         np.testing.assert_allclose(y, x @ ref_w.T, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(dx, dy @ ref_w, rtol=1e-4, atol=1e-5)
@@ -201,9 +237,12 @@ def test_bytes_held(algo):
     tensors = [v for v in vars(layer).values() if isinstance(v, paddle.Tensor)]
     assert not tensors
     if algo != "weight_only_int8":
+        # double quantization per line (output row): 16 blocks of the row in one group, so a
+        # float32 scale and a float32 mean per row (it was one mean for the whole weight and a
+        # scale per 256 consecutive blocks before blocks were kept within a line)
         dq = make_layer(w, algo, 64, True)
         nb = n // 64
-        assert dq.nbytes() == n // 2 + nb + 4 * (-(-nb // 256)) + 4
+        assert dq.nbytes() == n // 2 + nb + out_f * (4 * 1 + 4)
         assert dq.nbytes() < layer.nbytes()
 
 
@@ -211,25 +250,31 @@ def test_bytes_held(algo):
 
 def test_load_quantized_checkpoint_matches_transformers(tmp_path, caplog):
     """Quantize-on-load of a transformers checkpoint == transformers with its Linear weights
-    replaced by the brute-force nf4 (double-quant) weights."""
+    replaced by the brute-force nf4 (double-quant) weights. Block size 32: every line here is
+    128 long, and double quantization applies per line only from 3 blocks on (at 64 these
+    lines would keep float32 absmaxes and the double-quant path would go untested)."""
     import logging
 
     import torch
     from paddletune.models import load_model
 
     path, hf = hf_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=256, vocab_size=600)
-    cfg = QuantConfig("nf4", 64, True, 256)
+    cfg = QuantConfig("nf4", 32, True, 256)
     with caplog.at_level(logging.INFO, logger="paddletune"):
         model = load_model(path, quant=cfg)
     assert any("whole model" in r.getMessage() for r in caplog.records)
     kinds = {n: type(m).__name__ for n, m in model.named_sublayers()}
     assert kinds["lm_head"] == "Linear" and kinds["model.embed_tokens"] == "Embedding"
     assert sum(k == "QuantizedLinear" for k in kinds.values()) == 14
+    axes = {n: m.block_axis for n, m in model.named_sublayers() if kinds[n] == "QuantizedLinear"}
+    assert axes == {n: reference_axis(n) for n in axes} and set(axes.values()) == {"in", "out"}
+    assert all("absmax_q" in m.state_arrays() for _, m in quantized_layers(model))
     with torch.no_grad():
         for name, mod in hf.named_modules():
             if isinstance(mod, torch.nn.Linear) and name != "lm_head":
-                w = mod.weight.numpy()
-                mod.weight.copy_(torch.tensor(brute_force(w, "nf4", 64, True), dtype=torch.float32))
+                axis = reference_axis(name)
+                w = brute_force(mod.weight.numpy(), "nf4", 32, True, block_axis=axis)
+                mod.weight.copy_(torch.tensor(w, dtype=torch.float32))
         ids = np.random.default_rng(0).integers(3, 600, size=(2, 12))
         ref = hf(torch.tensor(ids)).logits.numpy()
     got = model(paddle.to_tensor(ids)).logits.numpy()

@@ -8,9 +8,15 @@ process with one warning, and the reference path (the same on CPU and GPU) is us
 
 Conversion: the layer's weight is dequantized once into the compute dtype, requantized by
 paddle.nn.quant.weight_quantize into paddle's kernel layout (per output channel for int8, groups
-of 64/128 input rows for int4: the same scales as ours, so the values survive), and our codes are
-dropped: between forwards the layer still holds only codes and scales. The backward
-dx = dy @ W dequantizes with paddle.nn.quant.weight_dequantize.
+of 64/128 input rows per output channel for int4), and our codes are dropped: between forwards
+the layer still holds only codes and scales. The backward dx = dy @ W dequantizes with
+paddle.nn.quant.weight_dequantize.
+
+Only layers with blocks along "in" (column-parallel and unsplit layers) are converted: there our
+scales are per output row (int8) or per 64/128 input features of an output row (int4, when
+blocksize divides in_features), exactly paddle's, so the values survive requantization. Layers
+with blocks along "out" (row-parallel plan: per input column scales) cannot take paddle's
+per-output-channel layout without a second rounding, so they keep the reference path.
 """
 import logging
 
@@ -27,6 +33,8 @@ CHECK_TOL = {"int8": 2e-2, "int4": 2e-2}   # relative max error vs the reference
 def _eligible(x, layer):
     algo = layer.algo
     if algo.fused_dtype is None or not paddle.is_compiled_with_cuda():
+        return False
+    if layer.block_axis != "in":   # per-input-column scales: paddle's layout cannot hold them
         return False
     if not x.place.is_gpu_place() or x.dtype not in (paddle.float16, paddle.bfloat16):
         return False
@@ -50,7 +58,7 @@ def _convert(layer, dtype):
     from paddle.nn.quant import weight_only_linear, weight_quantize
 
     try:
-        w = hf.linear_to_paddle(layer.dequantize_rows(0, layer.out_features, dtype))   # [in, out]
+        w = layer.dequantize(dtype)   # paddle layout [in, out] (layer.fused is still None)
         q, s = weight_quantize(w, algo=layer.algo.name, group_size=_group(layer))
         x0 = paddle.randn([4, layer.in_features]).astype(dtype)
         ref = paddle.matmul(x0, w).astype("float32")

@@ -8,6 +8,12 @@
 Which Linears are kept in full precision: `quant_skip_modules` (regexes, full match over module
 names such as "model.layers.0.mlp.down_proj"); by default (None) the LM head named by
 ModelSpec.lm_head. Embeddings are not Linear layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
+
+Block axis (weight_only.py): quantization blocks run along the axis a tensor-parallel split never
+cuts, so a TP rank can quantize just its slice and hold exactly the slice of the whole quantized
+weight. block_axis_for reads it from ModelSpec.tp_plan: "row" modules (split along `in`) get
+blocks along "out"; every other Linear ("column", the LM head, unplanned) along "in". This holds
+in a single process too, so one checkpoint quantizes to the same codes with or without TP.
 """
 import logging
 import re
@@ -45,10 +51,17 @@ def _skip_fn(model, quant_args):
     return lambda name, layer: any(r.fullmatch(name) for r in regs)
 
 
-def _replace(model, quant_args, from_weights):
+def block_axis_for(spec, module_name):
+    """"out" for a module the TP plan splits along its input features ("row", matched by the
+    name's last component, e.g. "model.layers.0.mlp.down_proj" -> "down_proj"), else "in"."""
+    return "out" if spec.tp_plan.get(module_name.rpartition(".")[2]) == "row" else "in"
+
+
+def _replace(model, quant_args, from_weights, block_axis=None):
     cfg = quant_config(quant_args)
     if cfg is None:
         return []
+    axis_of = block_axis or (lambda name: block_axis_for(model.spec, name))
     skip = _skip_fn(model, quant_args)
     targets = [(n, m) for n, m in model.named_sublayers()
                if type(m) is nn.Linear and not skip(n, m)]
@@ -59,7 +72,8 @@ def _replace(model, quant_args, from_weights):
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         in_f, out_f = lin.weight.shape
-        q = QuantizedLinear(in_f, out_f, cfg, bias=lin.bias, weight_name=name + ".weight")
+        q = QuantizedLinear(in_f, out_f, cfg, bias=lin.bias, weight_name=name + ".weight",
+                            block_axis=axis_of(name))
         if from_weights:
             q.set_weight(hf.linear_to_hf(lin.weight.numpy()))   # QuantizedLinear holds [out, in]
         parents[parent_name]._sub_layers[child] = q
@@ -67,17 +81,18 @@ def _replace(model, quant_args, from_weights):
     return [n for n, _ in targets]
 
 
-def quantize_model_lazily(model, quant_args):
+def quantize_model_lazily(model, quant_args, block_axis=None):
     """Swap every Linear (except skipped ones) for an empty QuantizedLinear, without touching
     its weight: under paddle.LazyGuard (models.build_model) that weight was never allocated.
     models.load_weights then streams each checkpoint tensor into QuantizedLinear.set_weight.
-    Returns the replaced module names."""
-    return _replace(model, quant_args, from_weights=False)
+    `block_axis`: None (from the TP plan: block_axis_for) or a function module name -> "in" /
+    "out" that decides instead. Returns the replaced module names."""
+    return _replace(model, quant_args, from_weights=False, block_axis=block_axis)
 
 
-def quantize_model(model, quant_args):
-    """Quantize an in-memory model's Linear weights in place (same selection rules)."""
-    return _replace(model, quant_args, from_weights=True)
+def quantize_model(model, quant_args, block_axis=None):
+    """Quantize an in-memory model's Linear weights in place (same selection and block_axis)."""
+    return _replace(model, quant_args, from_weights=True, block_axis=block_axis)
 
 
 def quantized_layers(model):
