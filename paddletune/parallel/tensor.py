@@ -396,8 +396,12 @@ def load_sharded(model, path, tp, reader=None):
     for name, q in quantized.items():
         split = param_split(spec, cfg, name, [q.in_features, q.out_features])
         local = read_local(reader, spec, name, split, [q.in_features, q.out_features], tp)
-        q.in_features, q.out_features = local.shape
+        whole = (q.in_features, q.out_features)
+        q.resize(*local.shape)                 # quantize this rank's slice only
         q.set_weight(hf.linear_to_hf(local))
+        # in/out_features keep the whole layer's sizes, as a DTensor weight's shape does (LoRA
+        # wrappers size their A/B by them and are then sliced like the base)
+        q.in_features, q.out_features = whole
         _unmap(reader, name)
     return model
 

@@ -401,15 +401,21 @@ class QuantizedLinear(nn.Layer):
         self.blocksize = cfg.blocksize
         self.double_quant_blocksize = cfg.double_quant_blocksize
         self.block_axis = block_axis
-        self.n_lines, self.line_length = line_shape(self.out_features, self.in_features, block_axis)
-        bs = self.blocksize
-        self.padded_line_length = (self.line_length if self.algo.bits == 8
-                                   else -(-self.line_length // bs) * bs)
+        self.resize(self.in_features, self.out_features)
         self.bias = bias
         if bias is not None:
             bias.stop_gradient = True
         self.weight_name = weight_name
         self.fused = None   # set by gpu.py when paddle's fused layout replaces ours
+
+    def resize(self, in_features, out_features):
+        """Set the weight's dimensions (before set_weight): tensor parallelism gives a layer the
+        size of its slice."""
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.n_lines, self.line_length = line_shape(self.out_features, self.in_features, self.block_axis)
+        bs = self.blocksize
+        self.padded_line_length = (self.line_length if self.algo.bits == 8
+                                   else -(-self.line_length // bs) * bs)
 
     @property
     def loaded(self):

@@ -1,0 +1,124 @@
+"""Training cases for the tensor-parallel tests, run by tests/launch_cases.py on launched ranks
+and in the test process for the single-process reference (same function, world size 1).
+
+Every case trains a checkpoint for a few steps on variable-length copy data (target counts differ
+per micro-batch and per rank), with gradient clipping active, evaluates, and returns per rank:
+the logged losses and grad norms, eval loss / accuracy, the local and global shape of every
+parameter, the eval logits width, and what was communicated (our collectives, and the engine's
+reshards counted from paddle's own log). Rank 0 writes the trained tensors (whole, gathered)
+to out_dir/trained.safetensors (and the starting tensors to initial.safetensors).
+
+adam_epsilon defaults to 1e-4 here: with AdamW's usual 1e-8 every element moves by about
+lr * sign(g) per step, so elements whose gradient is at float32 rounding level (summation order
+differs between layouts: partial sums over TP ranks) flip sign and differ by a whole step; a
+larger epsilon keeps the update proportional to the gradient there, so the comparison measures
+the gradients' agreement, not AdamW's amplification of rounding noise.
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import paddletune  # noqa: E402,F401
+import engine_reshards  # noqa: E402  (registers paddle's reshard log sites before any DTensor op)
+
+
+def copy_data(n, seed, vocab=600):
+    from dp_worker import variable_length_data
+
+    return variable_length_data(n=n, seed=seed)
+
+
+def _gather_trainable(model, trainer, tpg):
+    """{name: whole array} of the trainable tensors (gathered from the TP ranks)."""
+    if tpg is None:
+        return {n: p.numpy() for n, p in trainer.trainable.items()}
+    from paddletune.parallel.tensor import full_array
+
+    log, tpg.log = tpg.log, None
+    out = {n: full_array(model, n, p, tpg) for n, p in trainer.trainable.items()}
+    tpg.log = log
+    return out
+
+
+def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max_grad_norm=0.05,
+               lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4):
+    import numpy as np
+    import paddle
+
+    from conftest import training_args
+    from paddletune import parallel, peft, runtime
+    from paddletune.args import ModelArgument, QuantArgument
+    from paddletune.models import hf, load_model
+    from paddletune.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                         max_steps=steps, logging_steps=1, learning_rate=lr, max_grad_norm=max_grad_norm,
+                         tensor_parallel_degree=tp, lr_scheduler_type="constant", seed=0,
+                         per_device_eval_batch_size=4, adam_epsilon=adam_epsilon)
+    topo = parallel.init(args)
+    runtime.set_seed(0)
+    q = QuantArgument(weight_quantize_algo=quant) if quant else None
+    model = load_model(ckpt, topology=topo, quant=q)
+    margs = ModelArgument(model_name_or_path=ckpt, lora=method in ("lora", "qlora"), lora_rank=4,
+                          lora_dropout=lora_dropout, prefix_tuning=method == "prefix",
+                          num_prefix_tokens=3)
+    setup = peft.apply(model, margs)
+    data, dev = copy_data(32, 0), copy_data(eval_n, 1)
+    marks = []   # length of the collective log after each optimizer step
+    trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
+                      export_fn=lambda d: None, topology=topo,
+                      callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0)])
+    tpg = getattr(model, "tensor_parallel", None)
+    initial = _gather_trainable(model, trainer, tpg)
+    if tpg is not None:
+        tpg.log = []
+    with engine_reshards.record(enabled=record and tpg is not None) as rec:
+        trainer.train()
+    comm = list(tpg.log[:marks[-1]]) if tpg is not None else []   # the training steps only
+    widths = []
+    orig = trainer.loss_fn
+
+    def loss_fn(m, b):
+        out = orig(m, b)
+        widths.append(int(out.label_logits.shape[-1]) if out.label_logits is not None else None)
+        return out
+    trainer.loss_fn = loss_fn
+    metrics = trainer.evaluate()
+    hist = trainer.state["log_history"]
+    result = {"losses": [r["loss"] for r in hist if "loss" in r],
+              "grad_norms": [r["grad_norm"] for r in hist if "grad_norm" in r],
+              "eval": {"loss": metrics["loss"], "accuracy": metrics["accuracy"]},
+              "shapes": {n: [list(p.shape), list((p._local_value() if p.is_dist() else p).shape)]
+                         for n, p in model.named_parameters()},
+              "eval_logits_width": widths[0] if widths else None, "comm": comm,
+              "engine_reshards": dict(rec.calls), "rank": topo.rank}
+    state = _gather_trainable(model, trainer, tpg)
+    if topo.is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        for fname, tensors in (("trained", state), ("initial", initial)):
+            hf.write_safetensors(os.path.join(out_dir, f"{fname}.safetensors"),
+                                 {n: np.asarray(a, np.float32) for n, a in tensors.items()})
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+    return result
+
+
+def reshard_control():
+    """Positive control for engine_reshards: an explicit all-gather (Shard -> Replicate) and an
+    engine op on a sharded DTensor are seen by the recorder."""
+    import paddle
+    import paddle.distributed as dist
+
+    from paddletune import parallel
+
+    topo = parallel.init()
+    mesh = dist.ProcessMesh(list(range(topo.world_size)), dim_names=["tp"])
+    x = dist.shard_tensor(paddle.arange(8, dtype="float32").reshape([4, 2]), mesh, [dist.Shard(0)])
+    with engine_reshards.record() as rec:
+        full = dist.reshard(x, mesh, [dist.Replicate()])
+        y = (x * 2).sum()   # a reduction over the sharded axis: the engine reshards
+    return {"calls": dict(rec.calls), "full": full._local_value().numpy().tolist(), "y": float(y)}
