@@ -28,6 +28,7 @@ CASES = {   # name -> (checkpoint kind, train_case kwargs)
     "qwen2_tied_vocab601": ("qwen2", {}),
     "chatglm2_sft": ("chatglm", {}),
     "chatglm2_lora": ("chatglm", {"method": "lora", "lr": 2e-2}),
+    "llama_lora_nodrop": ("llama", {"method": "lora", "lr": 2e-2}),   # reference for DP x TP
 }
 
 
@@ -35,9 +36,9 @@ def _checkpoints(base):
     from paddletune.models import get_spec
     from paddletune.models.tiny import make_tiny_checkpoint
 
-    out = {"llama": hf_checkpoint(base / "llama", "llama", seed=3)[0],
-           "qwen2": hf_checkpoint(base / "qwen2", "qwen2", seed=4, vocab_size=601, tie_word_embeddings=True)[0]}
-    glm = str(base / "chatglm")
+    out = {"llama": hf_checkpoint(base / "ck_llama", "llama", seed=3)[0],
+           "qwen2": hf_checkpoint(base / "ck_qwen2", "qwen2", seed=4, vocab_size=601, tie_word_embeddings=True)[0]}
+    glm = str(base / "ck_chatglm")
     make_tiny_checkpoint(glm, "chatglm", seed=5, padded_vocab_size=600)
     out["chatglm"] = glm
     return out
@@ -52,6 +53,13 @@ def runs(tmp_path_factory):
     cases = [(name, "tp_cases:train_case", dict(kw, ckpt=cks[kind], out_dir=str(base / name / "tp2"), tp=2))
              for name, (kind, kw) in CASES.items()]
     cases.append(("reshard_control", "tp_cases:reshard_control", {}))
+    # checkpoint under TP=2 at step 3, then resumed under TP=2 (dropout on: RNG per rank restored)
+    lora = dict(CASES["llama_lora_dropout"][1], ckpt=cks["llama"], tp=2)
+    cases += [("save", "tp_cases:train_case", dict(lora, out_dir=str(base / "save"), save_steps=3)),
+              ("resume", "tp_cases:train_case", dict(lora, out_dir=str(base / "resume"),
+                                                      resume=str(base / "save" / "checkpoint-3"))),
+              ("sft_save", "tp_cases:train_case", dict(ckpt=cks["llama"], tp=2, out_dir=str(base / "sft_save"),
+                                                       save_steps=3))]
     got = launch_cases(cases, base, nproc=2, timeout=900)
     ref = {name: train_case(cks[kind], str(base / name / "single"), **kw)
            for name, (kind, kw) in CASES.items()}
@@ -126,4 +134,64 @@ def test_split_is_real(runs):
     assert g == [602, 64] and l == [301, 64]
     # ChatGLM2's fused q|k|v: each rank holds its slice of q, k and v
     g, l = got["chatglm2_sft"][0]["shapes"]["transformer.encoder.layers.0.self_attention.query_key_value.weight"]
+    assert l[1] * 2 == g[1]
+
+
+def test_tp_checkpoint_resumes_exactly_and_in_one_process(runs, tmp_path):
+    """Each TP rank writes its slices (full-model names, global boxes): resumed under TP=2 the run
+    continues exactly (LoRA with dropout); the TP=2 checkpoint of a full SFT run also resumes in
+    ONE process, continuing as the uninterrupted single-process run."""
+    from tp_cases import train_case
+
+    base, got, ref = runs
+    full, resumed = got["save"][0], got["resume"][0]
+    np.testing.assert_allclose(resumed["losses"][3:], full["losses"][3:], rtol=1e-6)
+    a, b = _tensors(base / "save" / "trained.safetensors"), _tensors(base / "resume" / "trained.safetensors")
+    assert max(np.abs(a[k] - b[k]).max() for k in a) <= 1e-6 * max(np.abs(a[k]).max() for k in a)
+    ck = base / "sft_save" / "checkpoint-3"
+    index = json.load(open(ck / "shards.json"))
+    q = index["model"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["global_shape"] == [64, 64] and sorted(p["start"] for p in q["pieces"]) == [[0, 0], [0, 32]]
+    norm = index["model"]["model.layers.0.input_layernorm.weight"]["pieces"]
+    assert len(norm) == 1                                  # replicated: written once
+    one = train_case(str(base / "ck_llama"), str(tmp_path / "one"), resume=str(ck))
+    single = ref["llama_sft"]
+    np.testing.assert_allclose(one["losses"][3:], single["losses"][3:], rtol=1e-5)
+    w1, w2 = _tensors(tmp_path / "one" / "trained.safetensors"), _tensors(base / "llama_sft" / "single" / "trained.safetensors")
+    start = _tensors(base / "llama_sft" / "single" / "initial.safetensors")
+    update = max(np.abs(w2[k] - start[k]).max() for k in w2)
+    assert max(np.abs(w1[k] - w2[k]).max() for k in w2) <= 1e-4 * update
+
+
+DP_TP = {"llama_sft": ("llama", {}), "llama_lora": ("llama", {"method": "lora", "lr": 2e-2}),
+         "chatglm2_sft": ("chatglm", {})}
+
+
+@pytest.fixture(scope="module")
+def runs4(runs):
+    """DP2 x TP2 on 4 launched ranks (overlapping gloo groups: parallel/cpu_compat.py), global
+    batch 8 = micro 2 x accumulation 2 x 2 data-parallel ranks (the reference: micro 4 x 2)."""
+    base, _, ref = runs
+    cks = {"llama": str(base / "ck_llama"), "chatglm": str(base / "ck_chatglm")}
+    cases = [(name, "tp_cases:train_case", dict(kw, ckpt=cks[kind], out_dir=str(base / "dptp" / name),
+                                                tp=2, micro=2)) for name, (kind, kw) in DP_TP.items()]
+    return base, launch_cases(cases, base / "dptp", nproc=4, timeout=900), ref
+
+
+@pytest.mark.parametrize("name", list(DP_TP))
+def test_dp2_tp2_equals_one_process(runs4, name):
+    base, got, ref = runs4
+    single = ref["llama_lora_nodrop" if name == "llama_lora" else name]
+    ranks = got[name]
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=1e-5)
+    assert ranks[0]["eval"]["accuracy"] == single["eval"]["accuracy"]
+    tp = _tensors(base / "dptp" / name / "trained.safetensors")
+    sdir = base / ("llama_lora_nodrop" if name == "llama_lora" else name) / "single"
+    one, start = _tensors(sdir / "trained.safetensors"), _tensors(sdir / "initial.safetensors")
+    update = max(np.abs(one[k] - start[k]).max() for k in one)
+    assert max(np.abs(tp[k] - one[k]).max() for k in one) <= 1e-4 * update
+    up = ("model.layers.0.mlp.up_proj" if "llama" in name else "transformer.encoder.layers.0.mlp.dense_h_to_4h")
+    shapes = ranks[3]["shapes"]
+    g, l = shapes.get(up + ".weight") or shapes[up + ".base_layer.weight"]
     assert l[1] * 2 == g[1]

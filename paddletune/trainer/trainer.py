@@ -364,7 +364,8 @@ class Trainer:
         tensors, meta = self.optimizer.state_dict()
         if self.tp is None:
             return ckpt.whole(ckpt.arrays(self.trainable)), ckpt.whole(tensors), meta
-        from ..parallel.tensor import box_pieces, is_split
+        from ..parallel.plan import param_split
+        from ..parallel.tensor import box_pieces, is_split, real_shape
 
         model_pieces, optim_pieces = [], []
         for n, p in self.trainable.items():
@@ -372,11 +373,12 @@ class Trainer:
                 continue
             arrays = {n: self._local(p).numpy(), f"{n}.exp_avg": tensors[f"{n}.exp_avg"],
                       f"{n}.exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
+            whole = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, list(p.shape)))
             boxes = box_pieces(self.model, n, p, self.tp)
             for key, arr in arrays.items():
                 out = model_pieces if key == n else optim_pieces
-                for i, (start, shape, idx) in enumerate(boxes):
-                    out.append(ckpt.Piece(key, np.ascontiguousarray(arr[idx]), shape, start,
+                for i, (start, _, idx) in enumerate(boxes):
+                    out.append(ckpt.Piece(key, np.ascontiguousarray(arr[idx]), whole, start,
                                           key if len(boxes) == 1 else f"{key}@{i}"))
         return model_pieces, optim_pieces, meta
 
