@@ -57,6 +57,14 @@ def generation_config(gen_args, model_path, tok):
         **checkpoint_defaults(model_path, tok)).validate()
 
 
+def checkpoint_meta(model_args, model_path):
+    """What each checkpoint-N records of the run (meta.json), for llm/merge_tp_and_pp_params.py:
+    the resolved base model directory and the model arguments (PEFT method and settings)."""
+    import dataclasses
+
+    return {"base_model": os.path.abspath(model_path), "model_args": dataclasses.asdict(model_args)}
+
+
 def main(argv=None):
     logger = runtime.setup_logging(int(os.environ.get("PADDLE_TRAINER_ID", "0")))
     try:
@@ -92,7 +100,7 @@ def main(argv=None):
     trainer = Trainer(model, args, train_dataset=train_ds, eval_dataset=dev_ds, tokenizer=tok,
                       collate=collate, trainable=setup.trainable, export_fn=setup.export_fn, loss_fn=setup.loss_fn,
                       lr_scales=setup.lr_scales, eval_fn=eval_fn, train_source=train_source,
-                      topology=topo)
+                      topology=topo, checkpoint_meta=checkpoint_meta(model_args, model_path))
     if args.do_train:
         trainer.train()
     if args.do_eval and dev_ds is not None:

@@ -10,6 +10,9 @@ checkpoint-N/
   trainer_state.json              step, epoch, data position, optimizer step count, RNG states per
                                   rank (with the rank's coordinates), log history, best metric,
                                   the layout and the global batch it was written under
+  meta.json                       (when the run says) the base model and the model arguments (PEFT
+                                  method and settings), so llm/merge_tp_and_pp_params.py can write
+                                  the checkpoint as a Hugging Face model or HF-PEFT adapter
 
 Every tensor is stored under its full-model name with its global shape and the box
 [start, start + shape) each file holds, so a checkpoint does not depend on the layout that wrote
@@ -117,12 +120,13 @@ def _merge_index(parts):
     return index
 
 
-def save_checkpoint(path, topo, model_pieces, optim_pieces, trainer_state, writer=True):
+def save_checkpoint(path, topo, model_pieces, optim_pieces, trainer_state, writer=True, meta=None):
     """Write checkpoint dir `path` atomically; collective over every rank of `topo`.
 
     Every rank passes its pieces; ranks with `writer` False (replicas of a writer's slices) write
     nothing. Rank 0 prepares the temp dir, then every writer writes its files, then rank 0 writes
-    shards.json + trainer_state.json and renames the dir into place."""
+    shards.json + trainer_state.json (+ meta.json: what the run trained, for the merge tool) and
+    renames the dir into place."""
     tmp = _temp_path(path)
     if topo.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -136,6 +140,8 @@ def save_checkpoint(path, topo, model_pieces, optim_pieces, trainer_state, write
     if topo.is_main:
         write_json(os.path.join(tmp, "shards.json"), dict(version=2, **_merge_index(parts)))
         write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
+        if meta is not None:
+            write_json(os.path.join(tmp, "meta.json"), meta)
         _fsync_dir(tmp)
         if os.path.exists(path):
             old = tmp + ".old"

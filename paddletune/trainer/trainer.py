@@ -55,11 +55,12 @@ class Trainer:
     defaults to models.save_pretrained. `trainable` ({name: param}) defaults to every parameter
     with stop_gradient False. `train_source` replaces the default MapStyleSource (packing, lazy
     data). `callbacks` are called as cb(trainer, step_info) after every optimizer step.
-    `topology` is the parallel.Topology of this process (default: parallel.init(args))."""
+    `topology` is the parallel.Topology of this process (default: parallel.init(args)).
+    `checkpoint_meta` (JSON-able) is written into every checkpoint as meta.json."""
 
     def __init__(self, model, args, train_dataset=None, eval_dataset=None, tokenizer=None,
                  export_fn=None, trainable=None, collate=None, train_source=None, callbacks=(),
-                 lr_scales=None, loss_fn=None, eval_fn=None, topology=None):
+                 lr_scales=None, loss_fn=None, eval_fn=None, topology=None, checkpoint_meta=None):
         self.model, self.args, self.tokenizer = model, args, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.topo = topology if topology is not None else parallel.init(args)
@@ -82,6 +83,7 @@ class Trainer:
                 raise ValueError("this loss (R-Drop) has no tensor-parallel form yet; set "
                                  "tensor_parallel_degree to 1")
             loss_fn = vocab.tp_causal_lm_loss
+        self.checkpoint_meta = checkpoint_meta
         self.export_fn = export_fn or self._default_export
         self.train_source = train_source
         self.callbacks = list(callbacks)
@@ -411,7 +413,7 @@ class Trainer:
             ckpt.clean_temp_dirs(self.args.output_dir)
         # data-parallel replicas hold the same slices: the first data rank of each writes them
         path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
-                                    state, writer=self.topo.data_rank == 0)
+                                    state, writer=self.topo.data_rank == 0, meta=self.checkpoint_meta)
         if self.main:
             best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
