@@ -448,6 +448,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_device(model_args, args, err, warn)
     _check_quant(model_args, quant_args, args, err)
     _check_parallel(args, err, warn)
+    _check_tensor_parallel(model_args, data_args, args, err)
     _check_generation(data_args, gen_args, args, err)
     _check_data(model_args, data_args, args, err, warn)
 
@@ -549,11 +550,27 @@ def _check_parallel(args, err, warn):
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
+    tp = max(args.tensor_parallel_degree, 1)
     if args.sharding and "sharding_parallel_degree" in PARALLEL_NOT_YET:
-        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and _world() > 1):
+        rest = _world() // tp   # sharding_parallel_degree -1: every rank left after tensor parallel
+        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and rest > 1):
             err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
                 "issue); remove it or set sharding_parallel_degree to 1")
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+
+
+def _check_tensor_parallel(model_args, data_args, args, err):
+    """What has no tensor-parallel form yet is refused by name when tensor_parallel_degree > 1."""
+    if args.tensor_parallel_degree <= 1:
+        return
+    for key, on, why in (
+            ("rdrop", model_args.rdrop, "R-Drop's KL term over vocabulary shards is not built"),
+            ("prefix_projection", model_args.prefix_projection and model_args.prefix_tuning,
+             "the prefix MLP's output would be split by key/value heads; train without it"),
+):
+        if on:
+            err(key, f"cannot be used with tensor_parallel_degree {args.tensor_parallel_degree}: "
+                f"{why}; set {key}: false or tensor_parallel_degree: 1")
 
 
 def _check_generation(data_args, gen_args, args, err):

@@ -70,6 +70,10 @@ BAD = {
     "indivisible_heads": (lambda t: ["--model_name_or_path", _bad_model(t)], "multiple of num_key_value_heads"),
     "refused_key": (lambda t: ["--from_aistudio", "true"], "no downloads"),
     "bad_resume": (lambda t: ["--resume_from_checkpoint", str(t / "nope")], "is not a directory"),
+    "tp_world": (lambda t: ["--tensor_parallel_degree", "2"],
+                 "world size 1 (launched processes) is not divisible by tensor_parallel_degree 2"),
+    "tp_with_rdrop": (lambda t: ["--tensor_parallel_degree", "2", "--rdrop", "true"],
+                      "'rdrop' cannot be used with tensor_parallel_degree 2"),
 }
 
 
@@ -170,3 +174,18 @@ def test_lora_under_data_parallel_launch(tmp_path):
     assert set(loaded) == set(dp)
     for n, v in loaded.items():   # torch peft holds exactly the adapter rank 0 wrote
         np.testing.assert_array_equal(v, dp[n], err_msg=n)
+
+
+def test_tp_layout_the_model_cannot_take_fails_before_loading(tmp_path):
+    """A launch of 3 ranks with tensor_parallel_degree 3 on a model with 4 heads: one clear
+    message naming both numbers, before any process group, model or output (the launcher's
+    world size is read from the environment it exports)."""
+    import os as _os
+
+    out = tmp_path / "out"
+    env = dict(_os.environ, PADDLE_TRAINERS_NUM="3", PADDLE_TRAINER_ID="0")
+    r = run_script([SCRIPT, SFT, "--output_dir", str(out), "--tensor_parallel_degree", "3",
+                    "--do_eval", "false"] + QUICK[:-4], env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "num_attention_heads (4) is not divisible by tensor_parallel_degree (3)" in r.stderr
+    assert not out.exists() and "Traceback" not in r.stderr

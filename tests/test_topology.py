@@ -52,3 +52,24 @@ def test_single_process_collectives_are_identities():
     x = paddle.to_tensor([1.0, 2.0])
     assert t.all_reduce_sum(x) is x and t.all_reduce_scalars([3, 4]) == [3.0, 4.0]
     assert t.all_gather_json({"a": 1}) == [{"a": 1}] and t.all_reduce_grads([x])[0] is x
+
+
+def test_layout_checks_name_both_numbers():
+    from dataclasses import replace
+
+    from paddletune.models import get_spec
+    from paddletune.models.llama import LlamaConfig
+    from paddletune.parallel.plan import check_layout
+
+    spec = get_spec("llama")
+    cfg = LlamaConfig.from_dict(dict(spec.tiny_config, num_attention_heads=8, num_key_value_heads=2,
+                                     intermediate_size=96))
+    check_layout(spec, cfg, 2)                              # 8 heads, 2 kv heads, 96: fine
+    for degree, msg in ((3, r"num_attention_heads \(8\) is not divisible by tensor_parallel_degree \(3\)"),
+                        (4, r"num_key_value_heads \(2\) is smaller than tensor_parallel_degree \(4\)")):
+        with pytest.raises(ValueError, match=msg):
+            check_layout(spec, cfg, degree)
+    with pytest.raises(ValueError, match=r"intermediate_size \(90\) is not divisible"):
+        check_layout(spec, replace(cfg, intermediate_size=90, num_key_value_heads=8), 4)
+    with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+        check_layout(replace(spec, tp_plan={}), cfg, 2)

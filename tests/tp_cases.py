@@ -125,3 +125,10 @@ def reshard_control():
         full = dist.reshard(x, mesh, [dist.Replicate()])
         y = (x * 2).sum()   # a reduction over the sharded axis: the engine reshards
     return {"calls": dict(rec.calls), "full": full._local_value().numpy().tolist(), "y": float(y)}
+
+
+def script_main(relpath, argv):
+    """Run a script's main(argv) in this (launched) process; returns its exit code."""
+    from conftest import load_script
+
+    return load_script(relpath).main(list(argv))

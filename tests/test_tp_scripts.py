@@ -1,0 +1,70 @@
+"""The shipped tensor-parallel argument files under a 2-rank launch (both runs in ONE launch, the
+script's main() called in-process on each rank): the final output_dir holds one Hugging Face
+model (full SFT) / HF-PEFT adapter (LoRA) written from the gathered slices, equal to what the
+single-process run with the same global batch writes, and loadable by transformers / peft."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, launch_cases, rel_err, run_script
+from paddletune.models.hf import CheckpointReader, SafetensorsFile
+
+SCRIPT = "llm/finetune_generation.py"
+QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "--evaluation_strategy",
+         "no", "--load_best_model_at_end", "false", "--per_device_train_batch_size", "4",
+         "--do_eval", "false", "--disable_tqdm", "true", "--adam_epsilon", "1e-4"]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tpscripts")
+    runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json"}
+    cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
+                                                                      str(base / k / "tp")] + QUICK})
+             for k, f in runs.items()]
+    got = launch_cases(cases, base, nproc=2)
+    assert all(code == 0 for res in got.values() for code in res)
+    for k, f in runs.items():   # the same file in one process (tensor_parallel_degree back to 1)
+        r = run_script([os.path.join(ROOT, SCRIPT), os.path.join(ROOT, f), "--output_dir", str(base / k / "one"),
+                        "--tensor_parallel_degree", "1"] + QUICK)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return base
+
+
+def test_sft_tp_output_is_one_hf_model_equal_to_single_process(outputs):
+    import paddle
+    import torch
+    import transformers
+    from paddletune.models import load_model
+
+    tp, one = CheckpointReader(str(outputs / "sft" / "tp")), CheckpointReader(str(outputs / "sft" / "one"))
+    assert sorted(tp.keys()) == sorted(one.keys())
+    assert max(rel_err(tp.get(k), one.get(k)) for k in one.keys()) <= 1e-4
+    assert [json.loads(l)["loss"] for l in open(outputs / "sft" / "tp" / "train_log.jsonl")] == \
+        pytest.approx([json.loads(l)["loss"] for l in open(outputs / "sft" / "one" / "train_log.jsonl")], rel=1e-6)
+    ids = np.random.RandomState(0).randint(3, 500, (1, 12))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(outputs / "sft" / "tp")).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    ours = load_model(str(outputs / "sft" / "one"))(paddle.to_tensor(ids)).logits.numpy()
+    assert rel_err(ref, ours) <= 1e-4
+
+
+def test_lora_tp_adapter_loads_in_peft_and_equals_single_process(outputs):
+    import peft
+    import transformers
+    from paddletune.models import resolve_model_path
+
+    tp_dir, one_dir = outputs / "lora" / "tp", outputs / "lora" / "one"
+    a, b = (SafetensorsFile(str(d / "adapter_model.safetensors")) for d in (tp_dir, one_dir))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in b.keys():
+        ref = b.get(k)
+        scale = np.abs(ref).max() if "lora_A" in k else max(np.abs(ref).max(), 1e-12)
+        assert np.abs(a.get(k) - ref).max() <= 1e-4 * scale, k
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("paddletune/tiny-llama"))
+    model = peft.PeftModel.from_pretrained(base, str(tp_dir))
+    got = {n: p.detach().numpy() for n, p in model.named_parameters() if "lora_B" in n}
+    assert got and all(np.abs(v).max() > 0 for v in got.values())
