@@ -564,7 +564,6 @@ def _check_tensor_parallel(model_args, data_args, args, err):
     if args.tensor_parallel_degree <= 1:
         return
     for key, on, why in (
-            ("rdrop", model_args.rdrop, "R-Drop's KL term over vocabulary shards is not built"),
             ("prefix_projection", model_args.prefix_projection and model_args.prefix_tuning,
              "the prefix MLP's output would be split by key/value heads; train without it"),
 ):

@@ -72,8 +72,9 @@ BAD = {
     "bad_resume": (lambda t: ["--resume_from_checkpoint", str(t / "nope")], "is not a directory"),
     "tp_world": (lambda t: ["--tensor_parallel_degree", "2"],
                  "world size 1 (launched processes) is not divisible by tensor_parallel_degree 2"),
-    "tp_with_rdrop": (lambda t: ["--tensor_parallel_degree", "2", "--rdrop", "true"],
-                      "'rdrop' cannot be used with tensor_parallel_degree 2"),
+    "tp_prefix_projection": (lambda t: ["--tensor_parallel_degree", "2", "--prefix_tuning", "true",
+                                        "--prefix_projection", "true"],
+                             "'prefix_projection' cannot be used with tensor_parallel_degree 2"),
 }
 
 

@@ -46,7 +46,7 @@ def _gather_trainable(model, trainer, tpg):
 
 def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max_grad_norm=0.05,
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
-               save_steps=0, resume=None):
+               save_steps=0, resume=None, neftune=False, rdrop=False):
     import numpy as np
     import paddle
 
@@ -68,12 +68,14 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     model = load_model(ckpt, topology=topo, quant=q)
     margs = ModelArgument(model_name_or_path=ckpt, lora=method in ("lora", "qlora"), lora_rank=4,
                           lora_dropout=lora_dropout, prefix_tuning=method == "prefix",
-                          num_prefix_tokens=3)
+                          num_prefix_tokens=3, adapter=method == "adapter", adapter_size=8,
+                          lowrank_adapter=method == "lowrank_adapter", bitfit=method == "bitfit",
+                          neftune=neftune, neftune_noise_alpha=5.0, rdrop=rdrop, rdrop_alpha=2.0)
     setup = peft.apply(model, margs)
     data, dev = copy_data(32, 0), copy_data(eval_n, 1)
     marks = []   # length of the collective log after each optimizer step
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
-                      export_fn=lambda d: None, topology=topo,
+                      export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn,
                       callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0)])
     tpg = getattr(model, "tensor_parallel", None)
     initial = _gather_trainable(model, trainer, tpg)

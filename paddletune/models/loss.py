@@ -35,6 +35,8 @@ class LossOutput:
     label_targets: Optional[paddle.Tensor] = None  # [n] int64
     # [n] predicted ids when the logits are vocabulary shards (tensor parallel); else from logits
     label_argmax: Optional[paddle.Tensor] = None
+    # the tensor-parallel group whose vocabulary shards label_logits are (None: the whole vocabulary)
+    vocab_parallel: Optional[object] = None
 
     def predictions(self):
         return self.label_argmax if self.label_argmax is not None else self.label_logits.argmax(-1)
@@ -78,6 +80,16 @@ def hidden_loss(model, hidden, labels, keep_logits=False):
     logits = model.logits(h_sel).astype("float32")
     loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
     return LossOutput(loss_sum, n, logits, t_sel)
+
+
+def lm_loss_for(model):
+    """The causal-LM loss function for `model`: this module's, or the vocabulary-parallel one of a
+    tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False)."""
+    if getattr(model, "tensor_parallel", None) is not None:
+        from ..parallel.vocab import tp_causal_lm_loss
+
+        return tp_causal_lm_loss
+    return causal_lm_loss
 
 
 def causal_lm_loss(model, batch, keep_logits=False):

@@ -138,9 +138,27 @@ def tp_causal_lm_loss(model, batch, keep_logits=False):
     if model.training and not keep_logits and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
         return LossOutput(VocabParallelCE.apply(h_sel, w, t_sel, transposed, tp, vocab), n, None, t_sel)
     z = _local_logits(copy_to_tp(h_sel, tp), w, transposed, tp, vocab)
-    out = LossOutput(_ShardedCE.apply(z, t_sel, tp), n, z, t_sel)
-    out.label_argmax = sharded_argmax(z, tp)
-    return out
+    return LossOutput(_ShardedCE.apply(z, t_sel, tp), n, z, t_sel, sharded_argmax(z, tp), tp)
+
+
+def sharded_log_softmax(z, tp):
+    """log softmax over the whole vocabulary of local logits z [n, Vl] (differentiable): the row
+    max (no gradient) and the sum of exponentials are all-reduced."""
+    from .tensor import reduce_from_tp
+
+    m = z.detach().max(axis=-1, keepdim=True)
+    tp.all_reduce(m, "max")
+    s = reduce_from_tp(paddle.exp(z - m).sum(-1, keepdim=True), tp)
+    return z - m - paddle.log(s)
+
+
+def sharded_symmetric_kl(z1, z2, tp):
+    """R-Drop's KL(p1||p2) + KL(p2||p1) per row [n] from local logit shards: the per-shard
+    partial sums of (p1 - p2)(log p1 - log p2) are all-reduced (differentiable)."""
+    from .tensor import reduce_from_tp
+
+    lp1, lp2 = sharded_log_softmax(z1.astype("float32"), tp), sharded_log_softmax(z2.astype("float32"), tp)
+    return reduce_from_tp(((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum(-1), tp)
 
 
 def _local_view(p):

@@ -8,11 +8,16 @@ is exactly the cross-entropy. In eval mode only one pass is run.
 """
 import paddle.nn.functional as F
 
-from ..models.loss import LossOutput, causal_lm_loss
+from ..models.loss import LossOutput, lm_loss_for
 
 
-def symmetric_kl(logits1, logits2):
-    """[n, V], [n, V] -> [n]: KL(p1||p2) + KL(p2||p1) per row (float32)."""
+def symmetric_kl(logits1, logits2, tp=None):
+    """[n, V], [n, V] -> [n]: KL(p1||p2) + KL(p2||p1) per row (float32). With `tp` the logits are
+    vocabulary shards [n, V/t] and the sums run over every rank's shard (parallel/vocab.py)."""
+    if tp is not None:
+        from ..parallel.vocab import sharded_symmetric_kl
+
+        return sharded_symmetric_kl(logits1, logits2, tp)
     lp1 = F.log_softmax(logits1.astype("float32"), axis=-1)
     lp2 = F.log_softmax(logits2.astype("float32"), axis=-1)
     return ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum(-1)
@@ -20,19 +25,21 @@ def symmetric_kl(logits1, logits2):
 
 def combine(out1, out2, alpha):
     """LossOutput of the R-Drop objective from two passes (see the module docstring)."""
-    kl = symmetric_kl(out1.label_logits, out2.label_logits).sum()
+    kl = symmetric_kl(out1.label_logits, out2.label_logits, out1.vocab_parallel).sum()
     loss_sum = 0.5 * (out1.loss_sum + out2.loss_sum) + alpha * 0.5 * kl
-    return LossOutput(loss_sum, out1.num_tokens, out1.label_logits, out1.label_targets)
+    return LossOutput(loss_sum, out1.num_tokens, out1.label_logits, out1.label_targets,
+                      out1.label_argmax, out1.vocab_parallel)
 
 
 def make_loss_fn(alpha):
     assert alpha >= 0, f"rdrop_alpha must be >= 0, got {alpha} (args.py checks it for users)"
 
     def loss_fn(model, batch):
-        out1 = causal_lm_loss(model, batch, keep_logits=True)   # the KL term needs label logits
+        lm_loss = lm_loss_for(model)
+        out1 = lm_loss(model, batch, keep_logits=True)   # the KL term needs label logits
         if not model.training:
             return out1
-        return combine(out1, causal_lm_loss(model, batch, keep_logits=True), alpha)
+        return combine(out1, lm_loss(model, batch, keep_logits=True), alpha)
 
     return loss_fn
 

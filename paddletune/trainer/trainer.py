@@ -23,7 +23,7 @@ import paddle
 from .. import parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
-from ..models.loss import causal_lm_loss
+from ..models.loss import lm_loss_for
 from . import checkpoint as ckpt
 from .optim import AdamW, lr_at
 
@@ -74,20 +74,16 @@ class Trainer:
         # now, the loss runs on vocabulary shards, the optimizer updates the local shards
         self.tp = getattr(model, "tensor_parallel", None)
         if self.tp is not None:
-            from ..parallel import tensor as tensor_parallel, vocab
+            from ..parallel import tensor as tensor_parallel
 
             tensor_parallel.finalize(model, self.tp)
             params = dict(model.named_parameters())
             self.trainable = {n: params[n] for n in self.trainable}
-            if loss_fn is not None:
-                raise ValueError("this loss (R-Drop) has no tensor-parallel form yet; set "
-                                 "tensor_parallel_degree to 1")
-            loss_fn = vocab.tp_causal_lm_loss
         self.checkpoint_meta = checkpoint_meta
         self.export_fn = export_fn or self._default_export
         self.train_source = train_source
         self.callbacks = list(callbacks)
-        self.loss_fn = loss_fn or causal_lm_loss   # f(model, batch) -> models.loss.LossOutput
+        self.loss_fn = loss_fn or lm_loss_for(model)   # f(model, batch) -> models.loss.LossOutput
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
         self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
