@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, hf_checkpoint, launch_cases
+from conftest import ROOT, hf_checkpoint, launch_cases, run_script
 from paddletune.models.hf import SafetensorsFile
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -54,6 +54,17 @@ def _checkpoints(base):
     return out
 
 
+def _big_checkpoint(path):
+    """A 58M-parameter (232 MB float32) Llama for the loading-memory check."""
+    from paddletune.models import build_model, save_pretrained
+
+    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
+           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    save_pretrained(build_model(cfg, seed=0), str(path), dtype="float32")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from tp_cases import train_case
@@ -71,6 +82,8 @@ def runs(tmp_path_factory):
                                                       resume=str(base / "save" / "checkpoint-3"))),
               ("sft_save", "tp_cases:train_case", dict(ckpt=cks["llama"], tp=2, out_dir=str(base / "sft_save"),
                                                        save_steps=3))]
+    big = _big_checkpoint(base / "ck_big")
+    cases.insert(0, ("load_memory", "tp_cases:load_memory", {"ckpt": big}))   # first: a fresh process
     got = launch_cases(cases, base, nproc=2, timeout=900)
     ref = {name: train_case(cks[kind], str(base / name / "single"), **kwargs[name])
            for name, (kind, _) in CASES.items()}
@@ -207,3 +220,18 @@ def test_dp2_tp2_equals_one_process(runs4, name):
     shapes = ranks[3]["shapes"]
     g, l = shapes.get(up + ".weight") or shapes[up + ".base_layer.weight"]
     assert l[1] * 2 == g[1]
+
+
+def test_loading_memory_per_rank_is_about_half(runs):
+    """Sliced loading: each TP=2 rank's peak RSS growth while loading a 232 MB model is at most
+    0.6x that of one process loading it whole (each measured in a fresh process), and each rank
+    holds half the numel."""
+    base, got, _ = runs
+    r = run_script(["-c", "import json, sys; sys.path.insert(0, 'tests'); import tp_cases; "
+                    f"print(json.dumps(tp_cases.load_memory({str(base / 'ck_big')!r}, 1)))"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    one = json.loads(r.stdout.strip().splitlines()[-1])
+    assert one["growth_mb"] > 200, one   # the measurement saw the whole model's load
+    for rank in got["load_memory"]:
+        assert rank["growth_mb"] <= 0.6 * one["growth_mb"], (rank, one)
+        assert abs(rank["local_numel"] / one["local_numel"] - 0.5) < 0.01, (rank, one)

@@ -134,3 +134,36 @@ def script_main(relpath, argv):
     from conftest import load_script
 
     return load_script(relpath).main(list(argv))
+
+
+def _rss_mb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def load_memory(ckpt, tp=2):
+    """Peak RSS growth (MB) of this process while loading `ckpt` (under TP=tp, or whole with
+    tp=1), from the RSS before the load to the peak during it (the kernel's peak counter reset
+    first through /proc/self/clear_refs). Run it in a fresh process (first case of a launch):
+    memory a previous case freed would be reused and hide part of the growth."""
+    from conftest import training_args
+    from paddletune import parallel
+    from paddletune.models import load_model
+
+    topo = parallel.init(training_args("/tmp/unused", tensor_parallel_degree=tp)) if tp > 1 else parallel.single()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # reset VmHWM to the current RSS
+    before = _rss_mb("VmRSS")
+    model = load_model(ckpt, topology=topo)
+    return {"growth_mb": _rss_mb("VmHWM") - before,
+            "local_numel": sum(paddle_numel(p) for p in model.parameters())}
+
+
+def paddle_numel(p):
+    import numpy as np
+
+    t = p._local_value() if p.is_dist() else p
+    return int(np.prod(t.shape))

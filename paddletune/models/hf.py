@@ -275,6 +275,28 @@ def read_slice(reader, spec, name, axis=None, start=None, stop=None):
     return to_paddle_layout(spec, name, reader.get(name, hf_axis, start, stop))
 
 
+def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, rows=1 << 22):
+    """Copy tensor `name` (or its [start:stop) slice along paddle `axis`) in paddle layout into the
+    float32 array `out`, straight from the file's memory map: no intermediate copy of the whole
+    slice (bf16 is widened `rows` elements at a time). Linear weights are transposed on the way."""
+    st = reader.files[name]
+    view, code = st._raw(name)
+    linear = is_linear_weight(spec, name, view.ndim)
+    if axis is not None:
+        idx = [slice(None)] * view.ndim
+        idx[1 - axis if linear else axis] = slice(start, stop)
+        view = view[tuple(idx)]
+    if linear:
+        view = view.T
+    if code != "BF16":
+        out[...] = view
+        return out
+    step = max(1, rows // max(int(np.prod(view.shape[1:])), 1))
+    for i in range(0, view.shape[0], step):
+        out[i:i + step] = bf16_to_f32(np.array(view[i:i + step]))
+    return out
+
+
 def parse_size(s):
     if isinstance(s, int):
         return s

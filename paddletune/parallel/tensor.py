@@ -366,13 +366,19 @@ def read_local(reader, spec, name, split, shape, tp):
     from ..models import hf
 
     if split.axis is None:
-        return hf.read_slice(reader, spec, name)
-    out = np.zeros(split.local_shape(shape, tp.degree), np.float32)
+        return hf.read_slice_into(reader, spec, name, np.empty(shape, np.float32))
+    local = split.local_shape(shape, tp.degree)
+    out = np.empty(local, np.float32)
+    covered = 0
     for g0, n, l0 in split.boxes(shape, tp.rank, tp.degree):
-        part = hf.read_slice(reader, spec, name, split.axis, g0, g0 + n)
         idx = [slice(None)] * out.ndim
         idx[split.axis] = slice(l0, l0 + n)
-        out[tuple(idx)] = part
+        hf.read_slice_into(reader, spec, name, out[tuple(idx)], split.axis, g0, g0 + n)
+        covered += n
+    if covered < local[split.axis]:   # vocabulary padding rows
+        idx = [slice(None)] * out.ndim
+        idx[split.axis] = slice(covered, None)
+        out[tuple(idx)] = 0.0
     return out
 
 
@@ -390,9 +396,10 @@ def load_sharded(model, path, tp, reader=None):
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
         split = param_split(spec, cfg, name, list(p.shape))
-        arr = read_local(reader, spec, name, split, list(p.shape), tp).astype(np.float32, copy=False)
+        arr = read_local(reader, spec, name, split, list(p.shape), tp)
+        _unmap(reader, name)   # the pages read through the map stop counting as this process's
         set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient))
-        _unmap(reader, name)
+        del arr
     for name, q in quantized.items():
         split = param_split(spec, cfg, name, [q.in_features, q.out_features])
         local = read_local(reader, spec, name, split, [q.in_features, q.out_features], tp)
