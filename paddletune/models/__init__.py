@@ -181,7 +181,9 @@ def save_pretrained(model, out_dir, tokenizer=None, state=None, max_shard_size="
     conf = cfg.to_dict()
     conf["architectures"] = list(spec.architectures)
     conf.update(extra_config or {})
-    with publish_into(out_dir, stale_patterns=("model*.safetensors", "model.safetensors.index.json")) as tmp:
+    # the stale files of an earlier export: HF's names only (never a checkpoint's model_state-*)
+    stale = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
+    with publish_into(out_dir, stale_patterns=stale) as tmp:
         hf.write_weights(tmp, tensors(), max_shard_size, dtype)
         src = os.path.join(getattr(model, "name_or_path", "") or "", "generation_config.json")
         if os.path.isfile(src):

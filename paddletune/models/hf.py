@@ -187,7 +187,8 @@ class CheckpointReader:
             st = SafetensorsFile(single)
             files = {k: st for k in st.keys()}
         else:
-            shards = sorted(glob.glob(os.path.join(path, f"{prefix}*.safetensors")))
+            # shards without an index: HF's "model-00001-of-00003.safetensors" names only
+            shards = sorted(glob.glob(os.path.join(path, f"{prefix}-*.safetensors")))
             for fn in shards:
                 st = SafetensorsFile(fn)
                 files.update({k: st for k in st.keys()})
