@@ -8,3 +8,9 @@ def test_train_throughput_smoke():
     r = run_script([os.path.join(ROOT, "benchmarks", "train_throughput.py"), "--smoke"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| paddletune runtime tuning |" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_tensor_parallel_benchmark_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "tensor_parallel.py"), "--smoke"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| peak RSS growth while loading (MiB) |" in r.stdout and "vs Megatron analytic" in r.stdout
