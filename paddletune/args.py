@@ -189,7 +189,7 @@ class TrainingArguments:
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP PP tuning flags", "no_effect", NOEFF_PARALLEL)
     sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
-    unified_checkpoint: bool = F(False, "PaddleNLP unified checkpoint", "no_effect", "checkpoints are always one layout-independent format")
+    unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
     optim: str = F("adamw", "optimizer", choices=["adamw"])
     device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])

@@ -21,8 +21,9 @@ QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "-
 def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tpscripts")
     runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json"}
+    unified = ["--save_strategy", "steps", "--save_steps", "3", "--unified_checkpoint", "true"]
     cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
-                                                                      str(base / k / "tp")] + QUICK})
+                                                                      str(base / k / "tp")] + QUICK + unified})
              for k, f in runs.items()]
     got = launch_cases(cases, base, nproc=2)
     assert all(code == 0 for res in got.values() for code in res)
@@ -68,3 +69,16 @@ def test_lora_tp_adapter_loads_in_peft_and_equals_single_process(outputs):
     model = peft.PeftModel.from_pretrained(base, str(tp_dir))
     got = {n: p.detach().numpy() for n, p in model.named_parameters() if "lora_B" in n}
     assert got and all(np.abs(v).max() > 0 for v in got.values())
+
+
+def test_unified_checkpoint_is_also_a_hf_model(outputs):
+    """unified_checkpoint: true: checkpoint-3 of the TP run holds, beside its slices, the HF model
+    (SFT) / HF-PEFT adapter (LoRA) - equal to the final export written at the same step."""
+    ck = outputs / "sft" / "tp" / "checkpoint-3"
+    assert (ck / "config.json").exists() and (ck / "shards.json").exists()
+    a, b = CheckpointReader(str(ck)), CheckpointReader(str(outputs / "sft" / "tp"))
+    assert sorted(a.keys()) == sorted(b.keys()) and all(np.array_equal(a.get(k), b.get(k)) for k in b.keys())
+    lora = outputs / "lora" / "tp" / "checkpoint-3"
+    x, y = (SafetensorsFile(str(d / "adapter_model.safetensors")) for d in (lora, outputs / "lora" / "tp"))
+    assert (lora / "adapter_config.json").exists()
+    assert all(np.array_equal(x.get(k), y.get(k)) for k in y.keys())

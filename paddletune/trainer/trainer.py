@@ -410,11 +410,24 @@ class Trainer:
         # data-parallel replicas hold the same slices: the first data rank of each writes them
         path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
                                     state, writer=self.topo.data_rank == 0, meta=self.checkpoint_meta)
+        if self.main and getattr(self.args, "unified_checkpoint", False):
+            self._unified(path)
         if self.main:
             best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
             logger.info("checkpoint saved: %s", path)
         self.topo.barrier()
+
+    def _unified(self, path):
+        """unified_checkpoint: the checkpoint, read back whole, also written into itself as one HF
+        model / HF-PEFT adapter (trainer/export.py, as llm/merge_tp_and_pp_params.py does)."""
+        if self.checkpoint_meta is None:
+            runtime.warn_once("unified", "unified_checkpoint needs the run's checkpoint_meta (base model, "
+                              "model arguments), which this Trainer was not given: skipped")
+            return
+        from .export import merge_checkpoint
+
+        merge_checkpoint(path)
 
     def _resume(self, which):
         path = ckpt.resume_path(self.args.output_dir, which)
