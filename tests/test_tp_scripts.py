@@ -20,16 +20,21 @@ QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tpscripts")
-    runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json"}
+    runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json",
+            "lora_zero_padding": "llm/llama/lora_tp_argument.json", "sft_lazy": "llm/llama/sft_tp_argument.json"}
+    extra = {"lora_zero_padding": ["--zero_padding", "true", "--lora_dropout", "0.1", "--max_length", "128",
+                                   "--src_length", "64"],
+             "sft_lazy": ["--lazy", "true"]}
     unified = ["--save_strategy", "steps", "--save_steps", "3", "--unified_checkpoint", "true"]
     cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
-                                                                      str(base / k / "tp")] + QUICK + unified})
+                                                                      str(base / k / "tp")] + QUICK
+                                          + extra.get(k, unified)})
              for k, f in runs.items()]
     got = launch_cases(cases, base, nproc=2)
     assert all(code == 0 for res in got.values() for code in res)
     for k, f in runs.items():   # the same file in one process (tensor_parallel_degree back to 1)
         r = run_script([os.path.join(ROOT, SCRIPT), os.path.join(ROOT, f), "--output_dir", str(base / k / "one"),
-                        "--tensor_parallel_degree", "1"] + QUICK)
+                        "--tensor_parallel_degree", "1"] + QUICK + extra.get(k, []))
         assert r.returncode == 0, r.stderr[-3000:]
     return base
 
@@ -82,3 +87,21 @@ def test_unified_checkpoint_is_also_a_hf_model(outputs):
     x, y = (SafetensorsFile(str(d / "adapter_model.safetensors")) for d in (lora, outputs / "lora" / "tp"))
     assert (lora / "adapter_config.json").exists()
     assert all(np.array_equal(x.get(k), y.get(k)) for k in y.keys())
+
+
+@pytest.mark.parametrize("run", ["lora_zero_padding", "sft_lazy"])
+def test_packed_and_streamed_data_under_tp(outputs, run):
+    """Zero padding (packed rows, block-diagonal attention on local heads, LoRA dropout 0.1) and
+    lazy streamed data under TP=2: losses and the output equal the single-process run's."""
+    def losses(d):
+        return [json.loads(l)["loss"] for l in open(d / "train_log.jsonl") if '"loss"' in l]
+
+    tp, one = outputs / run / "tp", outputs / run / "one"
+    assert len(losses(tp)) == 3 and losses(tp) == pytest.approx(losses(one), rel=1e-5)
+    if run == "sft_lazy":
+        a, b = CheckpointReader(str(tp)), CheckpointReader(str(one))
+        assert max(rel_err(a.get(k), b.get(k)) for k in b.keys()) <= 1e-4
+    else:
+        a, b = (SafetensorsFile(str(d / "adapter_model.safetensors")) for d in (tp, one))
+        for k in b.keys():
+            assert np.abs(a.get(k) - b.get(k)).max() <= 1e-4 * max(np.abs(b.get(k)).max(), 1e-12), k
