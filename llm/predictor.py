@@ -3,6 +3,8 @@
     python llm/predictor.py --model_name_or_path OUT --data_file dev.json --output_file out.json --batch_size 8
     python llm/predictor.py --model_name_or_path BASE --lora_path OUT --chat     # interactive, with history
     python llm/predictor.py args.json [--key value ...]                           # keys from a JSON file
+    python -m paddle.distributed.launch --nproc_per_node 2 llm/predictor.py --model_name_or_path OUT \
+        --tensor_parallel_degree 2 --data_file dev.json --output_file out.json   # model split over 2 ranks
 
 data_file: JSON lines {"src": str or [rounds], "tgt": optional}; output_file gets JSON lines
 {"src", "tgt", "output"} (written atomically at the end; without output_file they go to stdout).
@@ -12,8 +14,11 @@ feeds `src` as raw text. Tokens per second are printed at the end.
 --chat reads one user message per stdin line and prints each answer on one line ("\\n" inside an
 answer is written as a space); "/reset" clears the history, "/exit" or end of input stops.
 Every input is checked before the model is loaded.
+With tensor_parallel_degree N (launched on N processes) each rank loads its slice of the model and
+the ranks generate together (the same ids on every rank); only rank 0 prints and writes.
 """
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -55,6 +60,7 @@ class PredictorArgument:
     seed: int = F(42, "sampling seed: the same seed and inputs give the same outputs")
     device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])
     dtype: Optional[str] = F(None, "PaddleNLP's model dtype; weights are computed in float32 on CPU", "no_effect", "float32 is used")
+    tensor_parallel_degree: int = F(1, "ranks the model is split over (tensor parallel); launch that many processes: python -m paddle.distributed.launch --nproc_per_node N llm/predictor.py ...")
     mode: str = F("dynamic", "dynamic (eager) predictor; static graphs are not built here", choices=["dynamic"])
 
 
@@ -145,6 +151,7 @@ def check(a):
         raise ArgumentError(str(e).replace("generation: ", "")) from None
     if a.chat and a.data_file:
         raise ArgumentError("use either --chat (stdin) or --data_file, not both")
+    check_launch(a)
     for key in ("lora_path", "prefix_path"):
         p = getattr(a, key)
         if p and not os.path.isdir(p):
@@ -175,6 +182,28 @@ def check(a):
     if tok.template is None and any(not isinstance(s, str) for s, _ in rows):
         raise ArgumentError(f"{a.data_file}: \"src\" lists (several rounds) need a chat template")
     return path, tok, rows
+
+
+def check_launch(a):
+    """The launched processes must be the tensor-parallel ranks (data-parallel prediction is not
+    built: every rank would answer every prompt)."""
+    from paddletune.parallel import world_from_env
+
+    tp = 1 if a.tensor_parallel_degree in (-1, 0, 1) else a.tensor_parallel_degree
+    if a.tensor_parallel_degree < -1:
+        raise ArgumentError(f"'tensor_parallel_degree' must be >= 1, got {a.tensor_parallel_degree}")
+    world, _ = world_from_env()
+    launch = (f"python -m paddle.distributed.launch --nproc_per_node {tp} llm/predictor.py "
+              f"... --tensor_parallel_degree {tp}")
+    if world == 1 and tp > 1:
+        raise ArgumentError(f"tensor_parallel_degree={tp} needs {tp} processes, one per slice of the "
+                            f"model; launch them with: {launch}")
+    if world != tp:
+        raise ArgumentError(f"launched on {world} processes with tensor_parallel_degree={tp}: the "
+                            f"processes must be the tensor-parallel ranks; use {launch}")
+    if tp > 1 and a.chat:
+        raise ArgumentError("--chat reads stdin on one process; with tensor_parallel_degree > 1 use "
+                            "--data_file")
 
 
 def chat_loop(a, model, tok, cfg, stdin, stdout):
@@ -232,6 +261,7 @@ def main(argv=None, stdin=None, stdout=None):
     except (ArgumentError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from paddletune import parallel
     from paddletune.generation import GenerationConfig, checkpoint_defaults, load_for_generation
     from paddletune.trainer.metrics import write_json_lines
 
@@ -241,7 +271,11 @@ def main(argv=None, stdin=None, stdout=None):
         paddle.set_device("cpu")
     else:
         runtime.set_device()
-    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path)
+    topo = parallel.init(a) if a.tensor_parallel_degree > 1 else None
+    main_rank = topo is None or topo.is_main    # every rank generates; rank 0 speaks
+    if not main_rank:
+        stdout = io.StringIO()
+    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path, topology=topo)
     cfg = GenerationConfig(max_new_tokens=a.max_length, decode_strategy=a.decode_strategy,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                            repetition_penalty=a.repetition_penalty, seed=a.seed,
@@ -252,7 +286,8 @@ def main(argv=None, stdin=None, stdout=None):
     else:
         records, tokens, seconds = predict(a, model, tok, cfg, rows)
         if a.output_file:
-            write_json_lines(a.output_file, records)
+            if main_rank:
+                write_json_lines(a.output_file, records)
             print(f"{len(records)} answers written to {a.output_file}", file=stdout)
         else:
             for r in records:

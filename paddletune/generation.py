@@ -25,6 +25,12 @@ logits / temperature -> keep top_k -> keep the smallest set of tokens whose prob
 reaches top_p -> draw by inverse CDF with uniforms from a numpy Generator seeded with `seed`;
 prompt i always uses the i-th row of draws, so the same seed and prompts give the same output
 whatever the batch size, and the global paddle RNG is not touched.
+
+Tensor parallel (a model loaded with a topology: `model.tensor_parallel` set): the logits are
+this rank's vocabulary shard [B, V/t]; token choice runs on the shards (parallel/sampling.py,
+same rules, same ids, no [B, V] gather), every rank gets the same ids and so takes the same
+EOS / stop / row-dropping decisions; the KV cache holds the rank's key/value heads.
+With return_logits each rank returns its shard.
 """
 import time
 from dataclasses import dataclass, field, fields
@@ -120,18 +126,23 @@ def filter_top_k_top_p(logits, top_k=0, top_p=1.0):
 
     Nucleus: with probabilities sorted descending p(1) >= p(2) >= ..., token (i) is dropped when
     the mass before it, p(1) + ... + p(i-1), already reaches top_p; the most likely token is
-    always kept. Example: p = [.5, .3, .2], top_p = .8 -> keeps the first two."""
+    always kept; equal logits are ordered lowest index first (a stable sort: the tensor-parallel
+    nucleus, parallel/sampling.py, follows the same order). Example: p = [.5, .3, .2],
+    top_p = .8 -> keeps the first two."""
     V = logits.shape[-1]
     neg = paddle.full_like(logits, -float("inf"))
     if 0 < top_k < V:
         kth = paddle.topk(logits, top_k, axis=-1)[0][:, -1:]
         logits = paddle.where(logits < kth, neg, logits)
     if top_p < 1.0:
-        order = paddle.argsort(logits, axis=-1, descending=True)
+        order = paddle.argsort(logits, axis=-1, descending=True, stable=True)
         sorted_logits = paddle.take_along_axis(logits, order, axis=-1)
-        probs = paddle.nn.functional.softmax(sorted_logits, axis=-1)
-        before = paddle.cumsum(probs, axis=-1) - probs
-        drop_sorted = (before >= top_p).astype("int32")
+        # masses summed in float64 from softmax's float32 numerators: float32 running sums drift
+        # by ~1e-6 over a vocabulary, enough to move the boundary token now and then, and the
+        # tensor-parallel nucleus (sums in another order) would then differ from this one
+        w = paddle.exp(sorted_logits - sorted_logits[:, :1]).astype("float64")
+        cum = paddle.cumsum(w, axis=-1)
+        drop_sorted = (cum - w >= top_p * cum[:, -1:]).astype("int32")
         drop = paddle.put_along_axis(paddle.zeros_like(drop_sorted), order, drop_sorted, axis=-1)
         logits = paddle.where(drop > 0, neg, logits)
     return logits
@@ -140,22 +151,28 @@ def filter_top_k_top_p(logits, top_k=0, top_p=1.0):
 def sample_from(probs, u):
     """Inverse-CDF draw: probs [B, V] (rows need not sum to 1), u [B, 1] uniform in (0, 1].
     Returns ids [B]: the first index whose cumulative mass reaches u * total. Zero-probability
-    tokens are never chosen."""
-    cdf = paddle.cumsum(probs.astype("float32"), axis=-1)
-    target = u * cdf[:, -1:]
+    tokens are never chosen. Sums run in float64 (see filter_top_k_top_p)."""
+    cdf = paddle.cumsum(probs.astype("float64"), axis=-1)
+    target = u.astype("float64") * cdf[:, -1:]
     idx = (cdf < target).astype("int64").sum(-1)
     return paddle.clip(idx, max=probs.shape[-1] - 1)
 
 
-def choose_tokens(logits, cfg, seen=None, u=None):
-    """logits [B, V] float32 -> next ids [B] int64, following `cfg` (see module docstring)."""
+def choose_tokens(logits, cfg, seen=None, u=None, tp=None, vocab_size=None):
+    """logits [B, V] float32 -> next ids [B] int64, following `cfg` (see module docstring).
+    Under tensor parallelism (`tp`, the model's TensorParallel) logits and seen are this rank's
+    vocabulary shard [B, V/t] of a `vocab_size` vocabulary and every rank returns the same ids."""
+    if tp is not None:
+        from .parallel import sampling
+
+        return sampling.choose_tokens(logits, cfg, seen, u, tp, vocab_size)
     if cfg.repetition_penalty != 1.0 and seen is not None:
         logits = penalize_repetition(logits, seen, cfg.repetition_penalty)
     if cfg.decode_strategy == "greedy_search":
         return paddle.argmax(logits, axis=-1)
     logits = filter_top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p)
-    probs = paddle.nn.functional.softmax(logits, axis=-1)
-    return sample_from(probs, u)
+    # softmax's numerators: the draw normalises by the total itself
+    return sample_from(paddle.exp(logits - logits.max(axis=-1, keepdim=True)), u)
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -205,6 +222,7 @@ class _LiveBatch:
 
     def __init__(self, model, ids, mask, pos, P, N, prefix, use_cache, seen):
         self.model, self.P, self.prefix, self.use_cache = model, P, prefix, use_cache
+        self.tp = getattr(model, "tensor_parallel", None)
         B, L = ids.shape
         self.rows = np.arange(B)
         self.need_mask = bool((mask == 0).any())
@@ -240,7 +258,11 @@ class _LiveBatch:
         self.past += self.ids.shape[1]
         self.ids = tok.reshape([-1, 1])
         self.pos = self.pos[:, -1:] + 1
-        if self.seen is not None:
+        if self.seen is not None and self.tp is not None:
+            from .parallel import sampling
+
+            self.seen = sampling.mark_seen(self.seen, self.ids, self.tp)
+        elif self.seen is not None:
             self.seen = paddle.put_along_axis(self.seen, self.ids, 1.0, axis=-1)
         if not self.use_cache:
             self.seq = paddle.concat([self.seq, self.ids], axis=1)
@@ -255,6 +277,29 @@ class _LiveBatch:
                 setattr(self, name, paddle.gather(t, idx))
         if self.cache is not None:
             self.cache.select(keep)
+
+
+def _fresh_seed(tp):
+    """A random sampling seed; under tensor parallelism every rank takes the largest of the
+    ranks' draws, so all ranks draw the same uniforms (and choose the same tokens)."""
+    seed = np.random.randint(2**31)
+    if tp is None:
+        return seed
+    return int(tp.all_reduce(paddle.to_tensor([seed], dtype="int64"), "max").numpy()[0])
+
+
+def _seen_mask(ids, lengths, vocab, tp):
+    """The repetition penalty's mask of the prompts' tokens: float32 [B, V] (under tensor
+    parallelism this rank's shard [B, V/t]) from left-padded ids [B, L]."""
+    rows = [ids[i, ids.shape[1] - n:] for i, n in enumerate(lengths)]
+    if tp is not None:
+        from .parallel import sampling
+
+        return sampling.local_seen(rows, tp, -(-vocab // tp.degree))
+    seen = np.zeros((len(rows), vocab), np.float32)
+    for i, r in enumerate(rows):
+        seen[i, r] = 1.0
+    return paddle.to_tensor(seen)
 
 
 def _special_ids(cfg, model, tokenizer):
@@ -291,15 +336,14 @@ def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache
     prefix = _prefix_of(model, prefix)
     P = prefix[0][0].shape[1] if prefix else 0
     ids, mask, pos, lengths = _prepare(prompts, cfg, P, pad)
-    B, L, N = ids.shape[0], ids.shape[1], cfg.max_new_tokens
-    rng = np.random.default_rng(cfg.seed if cfg.seed is not None else np.random.randint(2**31))
-    uniforms = 1.0 - rng.random((B, N)).T if cfg.decode_strategy == "sampling" else None
-    seen = None
-    if cfg.repetition_penalty != 1.0:
-        seen = np.zeros((B, model.config.vocab_size), np.float32)
-        for i in range(B):
-            seen[i, ids[i, L - lengths[i]:]] = 1.0
-        seen = paddle.to_tensor(seen)
+    B, N = ids.shape[0], cfg.max_new_tokens
+    tp = getattr(model, "tensor_parallel", None)
+    uniforms = None
+    if cfg.decode_strategy == "sampling":
+        rng = np.random.default_rng(cfg.seed if cfg.seed is not None else _fresh_seed(tp))
+        uniforms = 1.0 - rng.random((B, N)).T
+    V = model.config.vocab_size
+    seen = _seen_mask(ids, lengths, V, tp) if cfg.repetition_penalty != 1.0 else None
 
     was_training = model.training
     model.eval()
@@ -312,7 +356,7 @@ def generate(model, prompts, config=None, tokenizer=None, prefix=None, use_cache
         logits = live.logits(step)
         u = None if uniforms is None else paddle.to_tensor(uniforms[step, live.rows].reshape([-1, 1]),
                                                            dtype="float32")
-        tok = choose_tokens(logits, cfg, live.seen, u)
+        tok = choose_tokens(logits, cfg, live.seen, u, tp, V)
         tok_np = tok.numpy()                     # the one host round-trip per step
         lg = logits.numpy() if return_logits else None
         done = []
@@ -376,18 +420,21 @@ def checkpoint_defaults(path, tokenizer):
     return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
 
 
-def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True):
+def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True,
+                        topology=None):
     """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
     built-in name or an already built model. A LoRA adapter (HF-PEFT files) is loaded on top
     and, with merge_lora, folded into the weights (W += s A B: faster, same outputs); prefixes
-    (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache."""
+    (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache.
+    `topology` (parallel.Topology) with a tensor-parallel degree > 1 loads this rank's slices;
+    adapters are then sliced too and LoRA stays unmerged (merging works on whole weights)."""
     from .models import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
     path = None
     if isinstance(model, str):
         path = resolve_model_path(model)
-        model = load_model(path)
+        model = load_model(path, topology=topology)
     else:
         path = getattr(model, "name_or_path", None)
     if tokenizer is None or isinstance(tokenizer, str):
@@ -398,8 +445,14 @@ def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None,
         from . import peft
 
         peft.load_adapter(model, lora_path=lora_path, prefix_path=prefix_path)
+        tp = getattr(model, "tensor_parallel", None)
+        if tp is not None:   # the adapters' slices, LoRA's collectives, the local prefix heads
+            from .parallel import tensor as tensor_parallel
+
+            tensor_parallel.finalize(model, tp)
         layers = peft.lora.lora_layers(model)
-        if merge_lora and layers and all(isinstance(m.base_layer, paddle.nn.Linear) for m in layers.values()):
+        plain = layers and all(isinstance(m.base_layer, paddle.nn.Linear) for m in layers.values())
+        if merge_lora and tp is None and plain:
             peft.lora.merge(model)   # (a quantized backbone keeps its adapters unmerged)
     model.eval()
     return model, tokenizer, path
