@@ -86,6 +86,34 @@ def test_recompute_with_prefix_gives_same_gradients(monkeypatch):
         assert rel_err(grads[1][n], grads[0][n]) < 1e-6
 
 
+def test_chatglm2_recomputes_under_prefix_tuning_too(monkeypatch):
+    """One runner for every family: ChatGLM2 once skipped recomputation whenever a prefix cache was
+    present (its own forward tested `cache is None`); now it recomputes as Llama does, with the
+    same gradients."""
+    from paddletune.models import build_model, chatglm2, get_spec
+
+    calls = []
+    forward = chatglm2.GLMBlock.forward
+    monkeypatch.setattr(chatglm2.GLMBlock, "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    grads = []
+    for rc in (False, True):
+        paddle.seed(0)
+        model = build_model(dict(get_spec("chatglm").tiny_config, padded_vocab_size=600), seed=0)
+        setup = peft.apply(model, ModelArgument(model_name_or_path="x", prefix_tuning=True,
+                                                num_prefix_tokens=3))
+        randomize(setup.trainable, scale=0.5)
+        model.train()
+        model.recompute = rc
+        x = paddle.to_tensor(ids())
+        calls.clear()
+        lm_loss(model, x, x).loss.backward()
+        grads.append({n: p.grad.numpy() for n, p in setup.trainable.items()})
+        assert len(calls) == (3 if rc else 2)   # block 1 recomputed (block 0's input needs no grad)
+    for n in grads[0]:
+        assert rel_err(grads[1][n], grads[0][n]) < 1e-6
+
+
 def test_attention_mask_is_extended_left_padding():
     model = tiny()
     setup = peft.apply(model, margs(num_prefix_tokens=3))
