@@ -203,7 +203,7 @@ def test_spec_facts_match_the_module_tree():
     assert len(hit) == 4 * 2 and "transformer.output_layer" not in hit   # 4 Linears per block
     assert all(any(n.endswith("." + k) for k in spec.tp_plan) for n in linears)
     cfg = model.config
-    parts = spec.fused_parts(cfg)
+    parts = {k: [w for w, _ in v] for k, v in spec.tp_parts(cfg).items()}
     blk = model.transformer.encoder.layers[0]
     assert sum(parts["query_key_value"]) == blk.self_attention.query_key_value.weight.shape[1]
     assert sum(parts["dense_h_to_4h"]) == blk.mlp.dense_h_to_4h.weight.shape[1]

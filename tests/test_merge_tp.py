@@ -154,7 +154,7 @@ def test_slice_merge_round_trip(kind, degree):
                         for a, b in zip(cuts[:-1], cuts[1:])]
                 assert np.array_equal(s, np.concatenate(want, axis=-1)), (name, r)
     assert seen["plain"] and seen["pad"] and seen["lora"], seen
-    assert (seen["parts"] > 0) == (kind == "chatglm"), seen
+    assert seen["parts"] > 0, seen   # q/k/v (and ChatGLM2's fused parts) are cut by heads
 
 
 # ------------------------------------------------------------------------------ in process

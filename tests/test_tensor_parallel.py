@@ -195,14 +195,24 @@ DP_TP = {"llama_sft": ("llama", {}), "llama_lora": ("llama", {"method": "lora", 
          "chatglm2_sft": ("chatglm", {}), "chatglm2_lora": ("chatglm", {"method": "lora", "lr": 2e-2})}
 
 
+# 4 ranks in one gloo group on 2 cores: ~80 ms per collective, so two cases of 3 steps
+TP4 = {"llama_prefix": ("llama", {"method": "prefix", "lr": 2e-2, "max_grad_norm": 0.005, "steps": 3}),
+       "chatglm2_lora": ("chatglm", {"method": "lora", "lr": 2e-2, "steps": 3})}
+
+
 @pytest.fixture(scope="module")
 def runs4(runs):
     """DP2 x TP2 on 4 launched ranks (overlapping gloo groups: parallel/cpu_compat.py), global
-    batch 8 = micro 2 x accumulation 2 x 2 data-parallel ranks (the reference: micro 4 x 2)."""
+    batch 8 = micro 4 x 2 data-parallel ranks (the reference: micro 4 x accumulation 2)."""
     base, _, ref = runs
     cks = {"llama": str(base / "ck_llama"), "chatglm": str(base / "ck_chatglm"), "qwen2": str(base / "ck_qwen2")}
+    # micro 4 x accumulation 1 x 2 data ranks = the reference's 4 x 2: half the collectives of
+    # micro 2 x 2 (4 ranks share 2 cores: a collective costs ~30-80 ms here)
     cases = [(name, "tp_cases:train_case", dict(kw, ckpt=cks[kind], out_dir=str(base / "dptp" / name),
-                                                tp=2, micro=2)) for name, (kind, kw) in DP_TP.items()]
+                                                tp=2, micro=4, accum=1)) for name, (kind, kw) in DP_TP.items()]
+    # TP=4 in the same launch: 4 query heads, 2 key/value heads -> each kv head on 2 ranks
+    cases += [(f"tp4_{name}", "tp_cases:train_case", dict(kw, ckpt=cks[kind], out_dir=str(base / "tp4" / name),
+                                                         tp=4)) for name, (kind, kw) in TP4.items()]
     return base, launch_cases(cases, base / "dptp", nproc=4, timeout=900), ref
 
 
@@ -240,3 +250,29 @@ def test_loading_memory_per_rank_is_about_half(runs):
     for rank in got["load_memory"]:
         assert rank["growth_mb"] <= 0.6 * one["growth_mb"], (rank, one)
         assert abs(rank["local_numel"] / one["local_numel"] - 0.5) < 0.01, (rank, one)
+
+
+@pytest.mark.parametrize("name", list(TP4))
+def test_tp4_replicated_kv_heads_equal_one_process(runs4, name):
+    """TP=4 with 2 key/value heads (Llama GQA, ChatGLM2's 2 groups): each kv head is held by 2
+    ranks, whose partial gradients are summed; losses, eval and trained tensors equal one
+    process, and the checkpointed / exported tensors hold each head once."""
+    base, got, ref = runs4
+    from tp_cases import train_case
+
+    ranks = got[f"tp4_{name}"]
+    kind, kw = TP4[name]
+    single = train_case(str(base / f"ck_{kind}"), str(base / "tp4" / name / "single"), **kw)
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=1e-5)
+    assert abs(ranks[0]["eval"]["loss"] - single["eval"]["loss"]) <= 1e-5 * abs(single["eval"]["loss"])
+    tp = _tensors(base / "tp4" / name / "trained.safetensors")
+    one, start = (_tensors(base / "tp4" / name / "single" / f) for f in ("trained.safetensors", "initial.safetensors"))
+    assert set(tp) == set(one)
+    update = max(np.abs(one[k] - start[k]).max() for k in one)
+    assert max(np.abs(tp[k] - one[k]).max() for k in one) <= 1e-4 * update, _worst_tensor(tp, one, start)
+    kv = [(k, v) for k, v in ranks[2]["shapes"].items()
+          if ("k_proj" in k or "query_key_value" in k) and k.endswith("weight") and "lora_A" not in k]
+    assert kv, ranks[2]["shapes"].keys()
+    for k, (g, l) in kv:   # rank 2 holds one query head and one (shared) kv head per projection
+        assert l[-1] < g[-1], (k, g, l)

@@ -18,7 +18,7 @@ Architecture (pre-norm decoder, `L = num_layers` blocks):
 - Module names equal THUDM's (transformer.embedding.word_embeddings, transformer.encoder.layers.N
   .self_attention.query_key_value, ..., transformer.encoder.final_layernorm,
   transformer.output_layer), so the HF key map is the identity; hf.py transposes Linear weights.
-Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan and fused_parts.
+Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan and tp_parts.
 """
 import copy
 import os
@@ -198,11 +198,7 @@ class SelfAttention(nn.Layer):
     def forward(self, x, ctx):
         B, S = x.shape[0], x.shape[1]
         qkv = self.query_key_value(x)
-        # head counts from the projection width, so a tensor-parallel slice works unchanged:
-        # width = (g·G' + 2·G')·D for G' local key/value heads
-        kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
-        q, k, v = paddle.split(qkv, [self.group * kv * self.head_dim, kv * self.head_dim,
-                                     kv * self.head_dim], axis=-1)
+        q, k, v = paddle.split(qkv, self._parts(qkv.shape[-1]), axis=-1)
         q = ctx.rope.apply_heads_first(q.reshape([B, S, -1, self.head_dim]))   # [B, heads, S, D]
         k = ctx.rope.apply_heads_first(k.reshape([B, S, -1, self.head_dim]))
         v = v.reshape([B, S, -1, self.head_dim]).transpose([0, 2, 1, 3])
@@ -211,6 +207,17 @@ class SelfAttention(nn.Layer):
         out = attention(q, k, v, ctx.mask, self.dropout, self.training, flash=ctx.flash,
                         dropout_fn=ctx.dropout)
         return self.dense(out)
+
+
+    def _parts(self, width):
+        """[q, k, v] widths of the projection's output: the layer's `part_widths` when set (tensor
+        parallel sets them to the rank's slices), else from the width: (g·G' + 2·G')·D for G'
+        key/value heads."""
+        parts = getattr(self.query_key_value, "part_widths", None)
+        if parts is not None:
+            return list(parts)
+        kv = width // (self.head_dim * (self.group + 2))
+        return [self.group * kv * self.head_dim, kv * self.head_dim, kv * self.head_dim]
 
 
 class MLP(nn.Layer):
@@ -298,17 +305,17 @@ def _prefix_layout(cfg):
 
 
 # Tensor-parallel plan: query_key_value and dense_h_to_4h are "column" layers of fused parts
-# (_fused_parts: q|k|v by heads, gate|up halves), each part split separately. The TP degree must
-# divide multi_query_group_num (2 for ChatGLM2/3-6B).
+# (_tp_parts: q|k|v by heads, gate|up halves), each part split separately. With more ranks than
+# key/value groups (multi_query_group_num is 2 for ChatGLM2/3-6B) the k and v heads are replicated.
 _TP_PLAN = {"query_key_value": "column", "dense": "row", "dense_h_to_4h": "column",
             "dense_4h_to_h": "row", "word_embeddings": "vocab", "output_layer": "column"}
 
 
-def _fused_parts(cfg):
-    """Output-column widths of the parts of each fused Linear, in order."""
+def _tp_parts(cfg):
+    """(width, heads) of the output-column parts of each fused Linear, in order."""
     N, G, D = cfg.num_attention_heads, cfg.multi_query_group_num, cfg.kv_channels
-    return {"query_key_value": [N * D, G * D, G * D],
-            "dense_h_to_4h": [cfg.ffn_hidden_size, cfg.ffn_hidden_size]}
+    return {"query_key_value": [(N * D, N), (G * D, G), (G * D, G)],
+            "dense_h_to_4h": [(cfg.ffn_hidden_size, None), (cfg.ffn_hidden_size, None)]}
 
 
 def rope_ratio_fixup(src_dir, config, overrides):
@@ -349,6 +356,6 @@ SPEC = register(ModelSpec(
                   r".*\.dense_4h_to_h$"),
     tp_plan=dict(_TP_PLAN), prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"), tiny_config=_TINY,
-    default_chat_template="chatglm2", lm_head="transformer.output_layer", fused_parts=_fused_parts,
+    default_chat_template="chatglm2", lm_head="transformer.output_layer", tp_parts=_tp_parts,
     tokenizer_classes={"ChatGLMTokenizer": "paddletune.models.chatglm_tokenizer:ChatGLMTokenizer"},
     conversion_fixups=rope_ratio_fixup))

@@ -207,6 +207,13 @@ _TP_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj"
             "embed_tokens": "vocab", "lm_head": "column"}
 
 
+def _tp_parts(cfg):
+    """(width, heads) of the attention projections: TP splits them by whole heads (and replicates
+    key/value heads when they are fewer than the ranks)."""
+    N, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return {"q_proj": [(N * D, N)], "k_proj": [(K * D, K)], "v_proj": [(K * D, K)]}
+
+
 def _tiny(model_type, **kw):
     base = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -227,4 +234,4 @@ for _mt, _arch, _tiny_cfg, _tmpl in (
         not_linear=("model.embed_tokens.weight",),
         lora_targets=tuple(rf".*\.{n}$" for n in _LINEARS), tp_plan=dict(_TP_PLAN),
         prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$", r".*\.down_proj$"),
-        tiny_config=_tiny_cfg, default_chat_template=_tmpl))
+        tiny_config=_tiny_cfg, default_chat_template=_tmpl, tp_parts=_tp_parts))

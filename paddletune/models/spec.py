@@ -33,10 +33,13 @@ class ModelSpec:
     lm_head: str = "lm_head"
     tiny_config: Dict = field(default_factory=dict)   # small config.json used by tools and tests
     default_chat_template: Optional[str] = None        # built-in template name for chat without one
-    # fused_parts(config) -> {module suffix: [widths]}: "column" modules whose output columns are
-    # several projections side by side (ChatGLM2's query_key_value = [q | k | v]); tensor
-    # parallelism splits each part separately and keeps the rank's slices together, in order.
-    fused_parts: Optional[Callable] = None
+    # tp_parts(config) -> {module suffix: [(width, heads), ...]}: the output columns of a "column"
+    # module as parts side by side (ChatGLM2's query_key_value = [q | k | v]; a plain q_proj is one
+    # part); heads = the attention heads of the part (None: columns with no head structure, e.g.
+    # gate | up halves). Tensor parallelism splits each part separately, by whole heads, and keeps
+    # the rank's slices together in order; a part with fewer heads than ranks (key/value heads) is
+    # replicated: each head on degree/heads consecutive ranks.
+    tp_parts: Optional[Callable] = None
     # tokenizer_config.json "tokenizer_class" -> "module:Class" of a Tokenizer subclass this family
     # needs (ChatGLM numbers its special tokens after the sentencepiece vocabulary)
     tokenizer_classes: Dict[str, str] = field(default_factory=dict)

@@ -7,10 +7,10 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    TCPStore with no per-group key prefix, so groups formed one after another repeat the same
    handshake keys and a 4-process job with overlapping groups ([0,1],[2,3] and [0,2],[1,3])
    fails with "Connection refused" (gloo pair.cc). Each non-global gloo group gets its own
-   TCPStore instead, hosted by the group's first rank on the job's master port + 1000 + the
-   group id (that rank's host from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when absent). The shim
-   wraps paddle.distributed.collective._new_process_group_impl for the duration of one
-   new_group call.
+   TCPStore instead, hosted by the group's first rank on a free port it publishes through the
+   job's store (the host: that rank's address from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when
+   absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
+   of one new_group call.
 """
 import contextlib
 import os
@@ -23,12 +23,12 @@ def _endpoint_host(global_rank):
     return eps[global_rank].rsplit(":", 1)[0] if global_rank < len(eps) else "127.0.0.1"
 
 
-def _master_port():
-    master = os.environ.get("PADDLE_MASTER", "")
-    if ":" in master:
-        return int(master.rsplit(":", 1)[1])
-    eps = [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
-    return int(eps[0].rsplit(":", 1)[1]) if eps else 6170
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -39,8 +39,14 @@ def _own_store(ranks, world):
 
     def impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):
         if backend == "gloo" and 1 < world_size < world:
-            store = paddle.base.core.TCPStore(_endpoint_host(ranks[0]), _master_port() + 1000 + group_id,
-                                              rank == 0, world_size, 900)
+            # the group's first rank picks a free port and publishes it through the job's store
+            key = f"paddletune/group_store/{group_id}"
+            if rank == 0:
+                port = _free_port()
+                store.set(key, str(port).encode())
+            else:
+                port = int(bytes(store.get(key)).decode())
+            store = paddle.base.core.TCPStore(_endpoint_host(ranks[0]), port, rank == 0, world_size, 900)
         return original(backend, store, rank, world_size, group_name, pg_options, group_id,
                         *args, **kwargs)
 

@@ -3,9 +3,12 @@
 The model files say nothing about parallelism; ModelSpec.tp_plan names, by module-name suffix,
 how each Linear / Embedding is cut (paddle layout: Linear weight [in, out], Embedding [V, H]):
 
-    "column"  weight split along axis 1 (output features), bias along axis 0; fused layers
-              (ModelSpec.fused_parts, e.g. ChatGLM2's query_key_value = [q | k | v]) split every
-              part separately and keep the rank's slices side by side: [q_r | k_r | v_r]
+    "column"  weight split along axis 1 (output features), bias along axis 0; layers with parts
+              (ModelSpec.tp_parts, e.g. ChatGLM2's query_key_value = [q | k | v]) split every
+              part separately, by whole heads, and keep the rank's slices side by side:
+              [q_r | k_r | v_r]. A part with fewer heads than ranks (key/value heads, as
+              Megatron does) is replicated: head h on ranks h*c .. h*c+c-1, c = degree / heads;
+              those ranks' gradients of it are partial and summed over the c ranks
     "row"     weight split along axis 0 (input features); the bias is whole on every rank and
               added once, after the partial outputs are summed
     "vocab"   an embedding [V, H] split along axis 0 (vocabulary rows)
@@ -22,6 +25,7 @@ adapters, row biases) is replicated.
 it (round trip: merge(split(x)) == x), and `boxes` gives the global boxes a rank's slice covers
 (one per part), which is how checkpoints record and re-read slices.
 """
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -31,20 +35,49 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Split:
-    """axis None: replicated. Else the tensor is cut along `axis` into `degree` equal slices of
-    every part (`parts`: widths along axis summing to its length; default one part); with
+    """axis None: replicated. Else the tensor is cut along `axis` into `degree` slices of every
+    part (`parts`: widths along axis summing to its length; default one part). `heads`: per part
+    its number of heads (None: no head structure); a part is cut by whole heads, and a part with
+    fewer heads than ranks is replicated (each rank holds head rank // (degree / heads)). With
     `pad` the (single) part is first padded to a multiple of the degree."""
     axis: Optional[int] = None
     parts: Optional[Tuple[int, ...]] = None
     pad: bool = False
+    heads: Optional[Tuple[Optional[int], ...]] = None
 
     def part_widths(self, length):
         return tuple(self.parts) if self.parts else (length,)
 
+    def _part_heads(self, n_parts):
+        return tuple(self.heads) if self.heads else (None,) * n_parts
+
+    def _piece(self, width, heads, rank, degree):
+        """(offset in the part, width) of this rank's piece of one part."""
+        if self.pad:
+            n = math.ceil(width / degree)
+            return rank * n, n
+        if heads is not None and heads < degree:     # replicated heads
+            n = width // heads
+            return (rank // (degree // heads)) * n, n
+        n = width // degree
+        return rank * n, n
+
+    def replication(self, degree):
+        """[(local start, local width, ranks sharing it)] of this rank's replicated parts."""
+        out, lstart = [], 0
+        widths = self.part_widths(sum(self.parts) if self.parts else 0)
+        for w, h in zip(widths, self._part_heads(len(widths))):
+            n = self._piece(w, h, 0, degree)[1]
+            if h is not None and h < degree:
+                out.append((lstart, n, degree // h))
+            lstart += n
+        return out
+
     def local_len(self, length, degree):
         if self.pad:
             return math.ceil(length / degree)
-        return sum(w // degree for w in self.part_widths(length))
+        widths = self.part_widths(length)
+        return sum(self._piece(w, h, 0, degree)[1] for w, h in zip(widths, self._part_heads(len(widths))))
 
     def local_shape(self, shape, degree):
         if self.axis is None or degree == 1:
@@ -61,9 +94,10 @@ class Split:
         if degree == 1:
             return [(0, length, 0)]
         out, gstart, lstart = [], 0, 0
-        for w in self.part_widths(length):
-            n = math.ceil(w / degree) if self.pad else w // degree
-            lo = gstart + rank * n
+        widths = self.part_widths(length)
+        for w, h in zip(widths, self._part_heads(len(widths))):
+            off, n = self._piece(w, h, rank, degree)
+            lo = gstart + off
             hi = min(lo + n, gstart + w)
             if hi > lo:
                 out.append((lo, hi - lo, lstart))
@@ -73,6 +107,7 @@ class Split:
 
 
 REPLICATED = Split()
+logger = logging.getLogger("paddletune")
 
 
 def slice_array(arr, split, rank, degree):
@@ -129,14 +164,15 @@ def _owner(name):
 def param_split(spec, config, name, shape):
     """The Split of tensor `name` (paddle layout, global `shape`) under the model's plan."""
     if name.startswith("prefix_encoder.") and name.endswith(("key_prefix", "value_prefix")):
-        return Split(axis=1)                                    # [L, K, P, D] by kv heads
+        K = spec.prefix_layout(config)[1]                       # [L, K, P, D] by kv heads
+        return Split(axis=1, parts=(K,), heads=(K,))
     module, role, leaf = _owner(name)
     kind = module_kind(spec, module)
     if kind is None:
         return REPLICATED
-    fused = spec.fused_parts(config) if spec.fused_parts else {}
-    parts = fused.get(module.rsplit(".", 1)[-1])
-    parts = tuple(parts) if parts else None
+    listed = (spec.tp_parts(config) if spec.tp_parts else {}).get(module.rsplit(".", 1)[-1])
+    parts = tuple(w for w, _ in listed) if listed else None
+    heads = tuple(h for _, h in listed) if listed else None
     vocab = kind == "vocab" or module == spec.lm_head
     if kind == "vocab":
         return Split(axis=0, pad=True) if leaf == "weight" else REPLICATED
@@ -144,9 +180,9 @@ def param_split(spec, config, name, shape):
         if role == "lora_A":
             return REPLICATED
         if leaf == "bias" and role in (None, "base_layer"):
-            return Split(axis=0, parts=parts, pad=vocab)
+            return Split(axis=0, parts=parts, pad=vocab, heads=heads)
         if leaf == "weight":
-            return Split(axis=1, parts=parts, pad=vocab)
+            return Split(axis=1, parts=parts, pad=vocab, heads=heads)
         return REPLICATED
     if kind == "row":
         if role == "lora_B" or leaf == "bias":
@@ -168,11 +204,14 @@ def check_layout(spec, config, degree):
     if heads % degree:
         raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_degree "
                          f"({degree}); choose a degree that divides it")
-    if kv < degree:
+    if kv < degree and degree % kv:
         raise ValueError(f"num_key_value_heads ({kv}) is smaller than tensor_parallel_degree "
-                         f"({degree}): replicating key/value heads across ranks is not built; "
-                         f"use a degree <= {kv}")
-    if kv % degree:
+                         f"({degree}) and does not divide it: key/value heads can be replicated "
+                         f"only when each is on the same number of ranks; choose a multiple of {kv}")
+    if kv < degree:
+        logger.info("tensor parallel %d with %d key/value heads: each key/value head is replicated "
+                    "on %d ranks (their gradients summed over those ranks)", degree, kv, degree // kv)
+    elif kv % degree:
         raise ValueError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_degree "
                          f"({degree}); choose a degree that divides it")
     inter = config.intermediate_size

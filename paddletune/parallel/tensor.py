@@ -48,12 +48,40 @@ class TensorParallel:
     list, records every collective as (op, shape) (tests assert what was communicated)."""
 
     def __init__(self, topo):
+        self.topo = topo
         self.degree, self.rank = topo.tp_degree, topo.tp_rank
         ranks = topo.ranks("tp")
         self.group = None if len(ranks) == topo.world_size else topo.groups["tp"]
         self.mesh = dist.ProcessMesh(ranks, dim_names=["tp"])
         self.log = None
         self._memo = (None, None)   # (last column-layer input, its f(.)): q/k/v share one f
+        self._replica_groups = {}   # c -> group of the c consecutive TP ranks sharing a head
+
+    def replica_group(self, c):
+        """The group of the c consecutive tensor-parallel ranks (this one among them) that hold
+        the same replicated key/value head. Created on first use by every rank of the job, in the
+        same order (group creation is collective): call it from code every rank runs."""
+        if c not in self._replica_groups:
+            if c == self.degree:
+                self._replica_groups[c] = self.group
+            else:
+                from .cpu_compat import new_group
+
+                from .topology import group_ranks
+
+                seen, mine = [], None
+                for r in range(self.topo.world_size):
+                    tp_ranks = group_ranks(r, self.topo.degrees, "tp")
+                    for i in range(0, len(tp_ranks), c):
+                        chunk = tp_ranks[i:i + c]
+                        if chunk in seen:
+                            continue
+                        seen.append(chunk)
+                        g = new_group(chunk, self.topo.world_size)
+                        if self.topo.rank in chunk:
+                            mine = g
+                self._replica_groups[c] = mine
+        return self._replica_groups[c]
 
     def all_reduce(self, t, op="sum"):
         if self.log is not None:
@@ -233,10 +261,13 @@ def place_dense_params(model, tp):
 
 
 def real_shape(model, p, split):
-    """Global shape of a parameter without vocabulary padding (what checkpoints and exports hold)."""
+    """Global shape of a parameter as checkpoints and exports hold it: without vocabulary padding
+    and with each replicated key/value head once (the DTensor's shape counts every rank's slice)."""
     shape = list(p.shape)
     if split.pad:
         shape[split.axis] = model.config.vocab_size
+    elif split.parts and split.axis is not None:
+        shape[split.axis] = sum(split.parts)
     return shape
 
 
@@ -289,23 +320,63 @@ def box_pieces(model, name, p, tp):
     split = param_split(model.spec, model.config, name, list(p.shape))
     shape = real_shape(model, p, split)
     if not is_split(p):
-        return [([0] * len(shape), shape, tuple(slice(None) for _ in shape))]
+        return [([0] * len(shape), shape, tuple(slice(None) for _ in shape), tp.degree)]
+    shared = {l0: c for l0, _, c in split.replication(tp.degree)}
     out = []
     for g0, n, l0 in split.boxes(shape, tp.rank, tp.degree):
         start, size, idx = [0] * len(shape), list(shape), [slice(None)] * len(shape)
         start[split.axis], size[split.axis], idx[split.axis] = g0, n, slice(l0, l0 + n)
-        out.append((start, size, tuple(idx)))
+        out.append((start, size, tuple(idx), shared.get(l0, 1)))
     return out
 
 
-def global_grad_norm(sq_terms, split_flags, tp):
+def replicated_columns(model, name, p, tp):
+    """[(axis, local start, width, c)] of the replicated key/value parts of `name`'s slice."""
+    if not is_split(p):
+        return []
+    split = param_split(model.spec, model.config, name, list(p.shape))
+    return [(split.axis, l0, n, c) for l0, n, c in split.replication(tp.degree)]
+
+
+def sum_replicated_grads(model, named, grads, tp):
+    """A replicated key/value head's gradient on each of its c ranks is the part from that rank's
+    query heads: sum it over those c ranks (in place in `grads`, aligned with `named`)."""
+    for i, (name, p) in enumerate(named):
+        for axis, l0, n, c in replicated_columns(model, name, p, tp):
+            g = grads[i]
+            part = paddle.slice(g, [axis], [l0], [l0 + n]).clone()
+            if tp.log is not None:
+                tp.log.append(("all_reduce_sum", list(part.shape)))
+            dist.all_reduce(part, group=tp.replica_group(c))
+            idx = [slice(None)] * g.ndim
+            idx[axis] = slice(l0, l0 + n)
+            g[tuple(idx)] = part
+    return grads
+
+
+def replica_square_excess(model, named, grads, tp):
+    """The part of the split gradients' squared norm that the tensor-parallel all-reduce counts
+    more than once: a replicated head counts c times, it should count once."""
+    extra = []
+    for i, (name, p) in enumerate(named):
+        for axis, l0, n, c in replicated_columns(model, name, p, tp):
+            part = paddle.slice(grads[i], [axis], [l0], [l0 + n]).astype("float32")
+            extra.append(paddle.square(part).sum() * ((c - 1) / c))
+    return paddle.add_n(extra) if extra else None
+
+
+def global_grad_norm(sq_terms, split_flags, tp, excess=None):
     """sqrt of the whole model's sum of squared gradients: split parameters' local sums are
-    added over the tensor-parallel ranks, replicated ones (equal on every rank) counted once."""
+    added over the tensor-parallel ranks (minus `excess`, what replicated heads add beyond one
+    count), replicated parameters (equal on every rank) counted once."""
     split = [s for s, f in zip(sq_terms, split_flags) if f]
     rep = [s for s, f in zip(sq_terms, split_flags) if not f]
     total = paddle.zeros([], "float32")
     if split:
-        total = total + tp.all_reduce(paddle.add_n(split).clone() if len(split) > 1 else split[0].clone())
+        local = paddle.add_n(split) if len(split) > 1 else split[0]
+        if excess is not None:
+            local = local - excess
+        total = total + tp.all_reduce(local.clone())
     if rep:
         total = total + paddle.add_n(rep)
     return paddle.sqrt(total)
@@ -325,6 +396,9 @@ def install(model, tp):
         fwd = {"column": column_forward, "row": row_forward, "vocab": vocab_embedding_forward}[kind](tp)
         m.forward = types.MethodType(fwd, m)
         m._pt_tp = kind
+        widths = local_part_widths(model, name, tp)
+        if widths is not None:   # the rank's width of every output part (fused q|k|v)
+            m.part_widths = widths
     blocks = list(model.decoder_layers())
     for block in blocks:
         run_locally(block)
@@ -333,6 +407,15 @@ def install(model, tp):
     model.tensor_parallel = tp
     model.heads_dropout = lambda x, p, training: sliced_dropout(x, p, 1, tp, training)
     return model
+
+
+def local_part_widths(model, module_name, tp):
+    """This rank's output width of every part of a column module with ModelSpec.tp_parts (more
+    than one part), else None."""
+    split = param_split(model.spec, model.config, module_name + ".weight", [])
+    if split.axis is None or not split.parts or len(split.parts) < 2:
+        return None
+    return [n for _, n, _ in split.boxes([0, sum(split.parts)], tp.rank, tp.degree)]
 
 
 def finalize(model, tp):
@@ -348,6 +431,8 @@ def finalize(model, tp):
             elif kind == "row":
                 m.between = lambda z: reduce_from_tp(z, tp)      # g on x_local @ A_local [.., r]
                 m.input_dropout = lambda x, p, training: sliced_dropout(x, p, -1, tp, training)
+            if getattr(m.base_layer, "part_widths", None) is not None:
+                m.part_widths = m.base_layer.part_widths   # the wrapper is what the model calls
             m._pt_tp = True
     enc = getattr(model, "prefix_encoder", None)
     if enc is not None and not getattr(enc, "_pt_tp", False):
@@ -391,6 +476,9 @@ def load_sharded(model, path, tp, reader=None):
     spec, cfg = model.spec, model.config
     reader = reader or hf.CheckpointReader(path)
     params = dict(model.named_parameters())
+    kv = spec.prefix_layout(cfg)[1]
+    if kv < tp.degree:   # every rank creates the replica groups now, together
+        tp.replica_group(tp.degree // kv)
     quantized = {m.weight_name: m for m in model.sublayers()
                  if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)

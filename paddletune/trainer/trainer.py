@@ -160,6 +160,10 @@ class Trainer:
             loss_acc = loss_acc + loss_sum.detach().astype("float32")
         names = list(self.trainable)
         grads = [self._grad(self.trainable[n]) for n in names]
+        if self.tp is not None:   # replicated key/value heads: their partial gradients summed
+            from ..parallel.tensor import sum_replicated_grads
+
+            grads = sum_replicated_grads(self.model, [(n, self.trainable[n]) for n in names], grads, self.tp)
         grads = self.topo.all_reduce_grads(grads)
         # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
         # per step lets clipping scale in place with a python float (no temporaries)
@@ -167,9 +171,11 @@ class Trainer:
         if self.tp is None:
             norm = paddle.sqrt(paddle.add_n(squares))
         else:   # the whole model's norm: split slices summed over TP ranks, replicas counted once
-            from ..parallel.tensor import global_grad_norm, is_split
+            from ..parallel.tensor import global_grad_norm, is_split, replica_square_excess
 
-            norm = global_grad_norm(squares, [is_split(self.trainable[n]) for n in names], self.tp)
+            named = [(n, self.trainable[n]) for n in names]
+            norm = global_grad_norm(squares, [is_split(p) for _, p in named], self.tp,
+                                    replica_square_excess(self.model, named, grads, self.tp))
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             factor = max_norm / (float(norm) + 1e-6)
@@ -375,7 +381,9 @@ class Trainer:
             boxes = box_pieces(self.model, n, p, self.tp)
             for key, arr in arrays.items():
                 out = model_pieces if key == n else optim_pieces
-                for i, (start, _, idx) in enumerate(boxes):
+                for i, (start, _, idx, shared) in enumerate(boxes):
+                    if self.tp.rank % shared:   # a replicated head: its first rank writes it
+                        continue
                     out.append(ckpt.Piece(key, np.ascontiguousarray(arr[idx]), whole, start,
                                           key if len(boxes) == 1 else f"{key}@{i}"))
         return model_pieces, optim_pieces, meta
@@ -388,7 +396,7 @@ class Trainer:
         from ..parallel.tensor import box_pieces
 
         out = np.zeros(self._local(p).shape, np.float32)
-        for start, shape, idx in box_pieces(self.model, name, p, self.tp):
+        for start, shape, idx, _ in box_pieces(self.model, name, p, self.tp):
             out[idx] = reader.read(key, kind, start, shape)
         return out
 
