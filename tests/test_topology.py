@@ -65,10 +65,13 @@ def test_layout_checks_name_both_numbers():
     cfg = LlamaConfig.from_dict(dict(spec.tiny_config, num_attention_heads=8, num_key_value_heads=2,
                                      intermediate_size=96))
     check_layout(spec, cfg, 2)                              # 8 heads, 2 kv heads, 96: fine
-    for degree, msg in ((3, r"num_attention_heads \(8\) is not divisible by tensor_parallel_degree \(3\)"),
-                        (4, r"num_key_value_heads \(2\) is smaller than tensor_parallel_degree \(4\)")):
+    check_layout(spec, cfg, 4)                              # 2 kv heads on 4 ranks: replicated
+    for c, degree, msg in ((cfg, 3, r"num_attention_heads \(8\) is not divisible by tensor_parallel_degree \(3\)"),
+                           (replace(cfg, num_key_value_heads=4, num_attention_heads=12), 6,
+                            r"num_key_value_heads \(4\) is smaller than tensor_parallel_degree \(6\) "
+                            "and does not divide it")):
         with pytest.raises(ValueError, match=msg):
-            check_layout(spec, cfg, degree)
+            check_layout(spec, c, degree)
     with pytest.raises(ValueError, match=r"intermediate_size \(90\) is not divisible"):
         check_layout(spec, replace(cfg, intermediate_size=90, num_key_value_heads=8), 4)
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
