@@ -167,3 +167,41 @@ def paddle_numel(p):
 
     t = p._local_value() if p.is_dist() else p
     return int(np.prod(t.shape))
+
+
+def sharded_vocab_ops(vocab=601, n=7, seed=0):
+    """Per-token log-probabilities, argmax and R-Drop's KL on vocabulary shards (V=601 padded to
+    602 at TP=2) against numpy over the whole vocabulary, with the gradient of the log-probs."""
+    import numpy as np
+    import paddle
+
+    from paddletune import parallel
+    from paddletune.parallel import vocab as V
+    from paddletune.parallel.tensor import TensorParallel
+    from conftest import training_args
+
+    topo = parallel.init(training_args("/tmp/unused", tensor_parallel_degree=2))
+    tp = TensorParallel(topo)
+    rng = np.random.default_rng(seed)
+    full = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    full2 = (full + rng.standard_normal((n, vocab)) * 0.5).astype(np.float32)
+    t = rng.integers(0, vocab, n)
+    t[0], t[1] = 300, 600                          # the last row of rank 0, the last real column
+    vl = -(-vocab // 2)
+
+    def shard(x):
+        loc = np.full((n, vl), V.NEG, np.float32)
+        part = x[:, tp.rank * vl:(tp.rank + 1) * vl]
+        loc[:, :part.shape[1]] = part
+        return paddle.to_tensor(loc, stop_gradient=False)
+    z = shard(full)
+    lp = V.sharded_token_logprobs(z, paddle.to_tensor(t), tp)
+    lp.sum().backward()
+    a, b = shard(full), shard(full2)
+    kl = V.sharded_symmetric_kl(a, b, tp)
+    (kl * paddle.to_tensor(np.arange(1, n + 1, dtype=np.float32))).sum().backward()
+    real = min(vl, vocab - tp.rank * vl)
+    return {"logprobs": lp.numpy().tolist(), "argmax": V.sharded_argmax(z.detach(), tp).numpy().tolist(),
+            "grad": z.grad.numpy()[:, :real].tolist(), "kl": kl.numpy().tolist(),
+            "kl_grad1": a.grad.numpy()[:, :real].tolist(), "kl_grad2": b.grad.numpy()[:, :real].tolist(),
+            "rank": tp.rank, "vl": vl, "full": full.tolist(), "full2": full2.tolist(), "t": t.tolist()}

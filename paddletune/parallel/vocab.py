@@ -141,27 +141,64 @@ def tp_causal_lm_loss(model, batch, keep_logits=False):
     return LossOutput(_ShardedCE.apply(z, t_sel, tp), n, z, t_sel, sharded_argmax(z, tp), tp)
 
 
-def sharded_log_softmax(z, tp):
-    """log softmax over the whole vocabulary of local logits z [n, Vl] (differentiable): the row
-    max (no gradient) and the sum of exponentials are all-reduced."""
+def _logsumexp(z, tp):
+    """Row log-sum-exp over every shard [n, 1] (no autograd): max all-reduced, then the sum."""
+    m = z.max(axis=-1, keepdim=True)
+    tp.all_reduce(m, "max")
+    s = tp.all_reduce(paddle.exp(z - m).sum(-1, keepdim=True))
+    return m + paddle.log(s)
+
+
+def sharded_token_logprobs(z, targets, tp):
+    """log p(target) per row [n] from local logit shards z [n, Vl] (padding columns at NEG, as
+    _local_logits leaves them), differentiable, replicated on every rank (DPO's per-token
+    log-probabilities under TP). log p_t = z_t - lse with z_t all-reduced from its owner and lse
+    from every shard's sum of exponentials; both enter a replicated result, so the collectives'
+    backward is the identity: dz_v = [v == t] - softmax_v on the owning rank's columns."""
     from .tensor import reduce_from_tp
 
+    z = z.astype("float32")
     m = z.detach().max(axis=-1, keepdim=True)
     tp.all_reduce(m, "max")
     s = reduce_from_tp(paddle.exp(z - m).sum(-1, keepdim=True), tp)
-    return z - m - paddle.log(s)
+    loc, mine = _target_parts(z, targets, tp)
+    zt = reduce_from_tp(paddle.take_along_axis(z, loc.unsqueeze(-1), axis=-1).squeeze(-1)
+                        * mine.astype(z.dtype), tp)
+    return zt - (m + paddle.log(s)).squeeze(-1)
+
+
+class _ShardedSymmetricKL(PyLayer):
+    """A = KL(p1||p2) + KL(p2||p1) per row [n] from local shards z1, z2 [n, Vl], with the
+    gradient in closed form (per-shard autograd would miss every other shard's dependence on the
+    shared normaliser):
+        dA/dz1_k = p1_k [(lp1_k - lp2_k) - KL(p1||p2)] + (p1_k - p2_k), and symmetrically for z2.
+    Forward: the log-sum-exps (2 x [n, 1] max and sum) and the two KL sums [n, 2] all-reduced."""
+
+    @staticmethod
+    def forward(ctx, z1, z2, tp):
+        z1, z2 = z1.detach().astype("float32"), z2.detach().astype("float32")
+        lp1, lp2 = z1 - _logsumexp(z1, tp), z2 - _logsumexp(z2, tp)
+        p1, p2 = paddle.exp(lp1), paddle.exp(lp2)
+        d = lp1 - lp2
+        kl = tp.all_reduce(paddle.stack([(p1 * d).sum(-1), (p2 * -d).sum(-1)], axis=-1))   # [n, 2]
+        ctx.g1 = p1 * (d - kl[:, :1]) + (p1 - p2)
+        ctx.g2 = p2 * (-d - kl[:, 1:]) + (p2 - p1)
+        return kl.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.unsqueeze(-1)
+        return ctx.g1 * g, ctx.g2 * g
 
 
 def sharded_symmetric_kl(z1, z2, tp):
-    """R-Drop's KL(p1||p2) + KL(p2||p1) per row [n] from local logit shards: the per-shard
-    partial sums of (p1 - p2)(log p1 - log p2) are all-reduced (differentiable)."""
-    from .tensor import reduce_from_tp
-
-    lp1, lp2 = sharded_log_softmax(z1.astype("float32"), tp), sharded_log_softmax(z2.astype("float32"), tp)
-    return reduce_from_tp(((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum(-1), tp)
+    """R-Drop's KL(p1||p2) + KL(p2||p1) per row [n] from local logit shards (see
+    _ShardedSymmetricKL); z1 and z2 come from f(h) @ W_local, so dh is summed over shards."""
+    return _ShardedSymmetricKL.apply(z1, z2, tp)
 
 
 def _local_view(p):
+    """The differentiable local shard of a DTensor parameter (itself when dense)."""
     import paddle.distributed as dist
 
     return dist.auto_parallel.api.dtensor_to_local(p, p.process_mesh, p.placements) if p.is_dist() else p
