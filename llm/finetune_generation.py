@@ -23,6 +23,7 @@ from paddletune.data.collate import padding_collate
 from paddletune.data.packing import build_train_source
 from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
@@ -40,6 +41,7 @@ def prepare(argv=None):
     # the parallel layout: the launched processes factor into the degrees, the model can be cut
     degrees = parallel.degrees_from_args(args, parallel.world_from_env()[0])
     check_layout(spec, config, degrees["tp"])
+    check_stages(config, degrees["pp"])
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
     explicit = args.resume_from_checkpoint is not None
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,

@@ -208,8 +208,7 @@ REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
 ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
 # parallel degrees: values above 1 are refused until the parallel issues land (_check_parallel);
 # `sharding` over several ranks goes with sharding_parallel_degree
-PARALLEL_NOT_YET = {"pipeline_parallel_degree": "pipeline-parallel issue",
-                    "sharding_parallel_degree": "sharding issue"}
+PARALLEL_NOT_YET = {"sharding_parallel_degree": "sharding issue"}
 
 
 def _type_of(f):

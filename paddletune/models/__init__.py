@@ -79,7 +79,7 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
                              f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
 
 
-def load_weights(model, path, spec=None, reader=None, params=None):
+def load_weights(model, path, spec=None, reader=None, params=None, partial=False):
     """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
     {hf_name: parameter} map), checking every shape first against the checkpoint header.
 
@@ -102,7 +102,7 @@ def load_weights(model, path, spec=None, reader=None, params=None):
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
     extra = [k for k in reader.keys() if k not in params and k not in quantized
              and not k.endswith("inv_freq")]
-    if extra:
+    if extra and not partial:   # (a pipeline stage reads its own part only)
         logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
     return model
 
@@ -122,9 +122,6 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
     are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
     allocates its weight."""
-    if topology is not None and topology.pp_degree > 1:
-        raise NotImplementedError(f"load_model: the layout {topology.describe()} has pipeline "
-                                  "stages, which are not built yet")
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
     tp = topology is not None and topology.tp_degree > 1
@@ -134,6 +131,12 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         check_layout(spec, cfg, topology.tp_degree)
     model = build_model(cfg)
     model.name_or_path = path
+    pp = topology is not None and topology.pp_degree > 1
+    if pp:   # this stage's blocks (and embedding / norm / head) only, before any weight is read
+        from ..parallel.pipeline import check_stages, prune_to_stage
+
+        check_stages(cfg, topology.pp_degree)
+        prune_to_stage(model, topology.pp_rank, topology.pp_degree)
     if quant is not None:
         from ..quant import format_report, quantize_model_lazily
 
@@ -145,7 +148,11 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         tensor_parallel.load_sharded(model, path, group)
         tensor_parallel.install(model, group)
     else:
-        load_weights(model, path, spec)
+        load_weights(model, path, spec, partial=pp)
+    if pp:
+        from ..parallel.pipeline import Pipeline
+
+        model.pipeline = Pipeline(model, topology)
     if getattr(model, "quant_config", None) is not None:
         logger.info("%s", format_report(model))   # bytes held vs float32, whole model
     model.eval()

@@ -92,6 +92,16 @@ def lm_loss_for(model):
     return causal_lm_loss
 
 
+def hidden_loss_for(model):
+    """hidden_loss, or its vocabulary-parallel form for a tensor-parallel model: both
+    f(model, hidden, labels, keep_logits=False) -> LossOutput (pipeline stages use it)."""
+    if getattr(model, "tensor_parallel", None) is not None:
+        from ..parallel.vocab import tp_hidden_loss
+
+        return tp_hidden_loss
+    return hidden_loss
+
+
 def causal_lm_loss(model, batch, keep_logits=False):
     """Run `model` on the model inputs of `batch` (a dict of tensors) and return the LossOutput
     against batch["labels"]."""

@@ -124,10 +124,15 @@ def sharded_argmax(z, tp):
 def tp_causal_lm_loss(model, batch, keep_logits=False):
     """models.loss.causal_lm_loss for a tensor-parallel model (see the module docstring): the
     hidden states are replicated, the head and its loss run on this rank's vocabulary shard."""
-    tp = model.tensor_parallel
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS}
     hidden = model(**inputs, return_hidden=True).hidden_states
-    h_sel, t_sel = select_targets(hidden, batch["labels"])
+    return tp_hidden_loss(model, hidden, batch["labels"], keep_logits)
+
+
+def tp_hidden_loss(model, hidden, labels, keep_logits=False):
+    """models.loss.hidden_loss on this rank's vocabulary shard (hidden [B, S, H] replicated)."""
+    tp = model.tensor_parallel
+    h_sel, t_sel = select_targets(hidden, labels)
     n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
     head = linear_head(model)
     if head is None:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -73,6 +74,10 @@ class Trainer:
         # tensor parallel: parameters are DTensors (parallel/tensor.py); PEFT's new ones are placed
         # now, the loss runs on vocabulary shards, the optimizer updates the local shards
         self.tp = getattr(model, "tensor_parallel", None)
+        self.pp = getattr(model, "pipeline", None)   # this rank's pipeline stage, or None
+        if self.pp is not None and loss_fn is not None:
+            raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
+                             "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
         if self.tp is not None:
             from ..parallel import tensor as tensor_parallel
 
@@ -151,31 +156,18 @@ class Trainer:
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
         n_global, real_global = self.topo.all_reduce_scalars([n_local, real_local])
-        loss_acc = paddle.zeros([], "float32")
-        for b in micro_batches:
-            loss_sum = self._forward(b).loss_sum
-            # the output is dropped before backward: its label logits ([n, vocab], not needed by
-            # the backward pass) would otherwise stay alive through it
-            (loss_sum / max(n_global, 1.0)).backward()
-            loss_acc = loss_acc + loss_sum.detach().astype("float32")
+        loss_acc = self._backward(micro_batches, n_global)
         names = list(self.trainable)
+        named = [(n, self.trainable[n]) for n in names]
         grads = [self._grad(self.trainable[n]) for n in names]
         if self.tp is not None:   # replicated key/value heads: their partial gradients summed
             from ..parallel.tensor import sum_replicated_grads
 
-            grads = sum_replicated_grads(self.model, [(n, self.trainable[n]) for n in names], grads, self.tp)
+            grads = sum_replicated_grads(self.model, named, grads, self.tp)
+        if self.pp is not None:   # a tied embedding's two copies (first and last stage)
+            grads = self.pp.sum_tied_grads(named, grads)
         grads = self.topo.all_reduce_grads(grads)
-        # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
-        # per step lets clipping scale in place with a python float (no temporaries)
-        squares = [paddle.square(g.astype("float32")).sum() for g in grads]
-        if self.tp is None:
-            norm = paddle.sqrt(paddle.add_n(squares))
-        else:   # the whole model's norm: split slices summed over TP ranks, replicas counted once
-            from ..parallel.tensor import global_grad_norm, is_split, replica_square_excess
-
-            named = [(n, self.trainable[n]) for n in names]
-            norm = global_grad_norm(squares, [is_split(p) for _, p in named], self.tp,
-                                    replica_square_excess(self.model, named, grads, self.tp))
+        norm = self._grad_norm(named, grads)
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             factor = max_norm / (float(norm) + 1e-6)
@@ -187,6 +179,44 @@ class Trainer:
         for p in self.trainable.values():
             p.clear_gradient(False)
         return loss_acc / max(n_global, 1.0), norm, n_global, real_global
+
+    def _backward(self, micro_batches, n_global):
+        """Forward + backward of this rank's micro-batches, each back-propagating loss_sum / N;
+        returns the summed loss_sum (through the pipeline stages' 1F1B schedule under PP)."""
+        if self.pp is not None:
+            from ..models.loss import hidden_loss_for
+
+            loss_of = hidden_loss_for(self.model)
+            tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in LOSS_KEYS} for b in micro_batches]
+            acc = self.pp.train_step(tensors, lambda h, b: loss_of(self.model, h, b["labels"]), n_global)
+            return self.pp.sum_over_stages(acc)
+        loss_acc = paddle.zeros([], "float32")
+        for b in micro_batches:
+            loss_sum = self._forward(b).loss_sum
+            # the output is dropped before backward: its label logits ([n, vocab], not needed by
+            # the backward pass) would otherwise stay alive through it
+            (loss_sum / max(n_global, 1.0)).backward()
+            loss_acc = loss_acc + loss_sum.detach().astype("float32")
+        return loss_acc
+
+    def _grad_norm(self, named, grads):
+        """The whole model's gradient norm: TP slices summed over their ranks (replicated heads
+        and replicated tensors counted once), pipeline stages summed, a tied embedding once."""
+        # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
+        # per step lets clipping scale in place with a python float (no temporaries)
+        squares = [paddle.square(g.astype("float32")).sum() for g in grads]
+        if self.pp is not None:
+            squares = [s if self.pp.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
+        if self.tp is None:
+            norm = paddle.sqrt(paddle.add_n(squares))
+        else:
+            from ..parallel.tensor import global_grad_norm, is_split, replica_square_excess
+
+            norm = global_grad_norm(squares, [is_split(p) for _, p in named], self.tp,
+                                    replica_square_excess(self.model, named, grads, self.tp))
+        if self.pp is not None:
+            norm = paddle.sqrt(self.pp.sum_over_stages(paddle.square(norm)))
+        return norm
 
     def _grad(self, p):
         if p.grad is None:
@@ -312,11 +342,16 @@ class Trainer:
         count = paddle.zeros([], "float32")
         correct = paddle.zeros([], "float32")
         for idx in batches[rank::world]:
-            out = self._forward(self.collate([ds[i] for i in idx]))
+            out = self._eval_batch(self.collate([ds[i] for i in idx]))
+            if out is None:   # a pipeline stage before the last
+                continue
             loss_sum += out.loss_sum.astype("float32")
             count += out.num_tokens
             correct += (out.predictions() == out.label_targets).astype("float32").sum()
-        total = self.topo.all_reduce_sum(paddle.stack([loss_sum, count, correct]))
+        stats = paddle.stack([loss_sum, count, correct])
+        if self.pp is not None:   # the last stage's sums, to every stage
+            stats = self.pp.sum_over_stages(stats)
+        total = self.topo.all_reduce_sum(stats)
         loss_sum, count, correct = (float(x) for x in total.numpy())
         loss = loss_sum / max(count, 1.0)
         metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
@@ -326,6 +361,15 @@ class Trainer:
         if was_training:
             self.model.train()
         return metrics
+
+    def _eval_batch(self, batch):
+        if self.pp is None:
+            return self._forward(batch)
+        from ..models.loss import hidden_loss_for
+
+        loss_of = hidden_loss_for(self.model)
+        tensors = {k: paddle.to_tensor(v) for k, v in batch.items() if k in LOSS_KEYS}
+        return self.pp.eval_batch(tensors, lambda h, b: loss_of(self.model, h, b["labels"]))
 
     def _track_best(self, metrics):
         name = self.args.metric_for_best_model
@@ -364,16 +408,18 @@ class Trainer:
     def _pieces(self):
         """This rank's slices of the trainable tensors and their optimizer state, as checkpoint
         pieces (full-model names, global boxes). Under TP a replicated tensor is written by the
-        first TP rank only."""
+        first TP rank only; under PP each stage writes its own tensors (a tied embedding once)."""
         tensors, meta = self.optimizer.state_dict()
         if self.tp is None:
-            return ckpt.whole(ckpt.arrays(self.trainable)), ckpt.whole(tensors), meta
+            own = {n: p for n, p in self.trainable.items() if self.pp is None or self.pp.counts_once(n)}
+            opt = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] in own}
+            return ckpt.whole(ckpt.arrays(own)), ckpt.whole(opt), meta
         from ..parallel.plan import param_split
         from ..parallel.tensor import box_pieces, is_split, real_shape
 
         model_pieces, optim_pieces = [], []
         for n, p in self.trainable.items():
-            if not is_split(p) and self.tp.rank != 0:
+            if (not is_split(p) and self.tp.rank != 0) or (self.pp is not None and not self.pp.counts_once(n)):
                 continue
             arrays = {n: self._local(p).numpy(), f"{n}.exp_avg": tensors[f"{n}.exp_avg"],
                       f"{n}.exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
@@ -424,6 +470,21 @@ class Trainer:
             best = self.checkpoint_path(self.state["best_step"]) if self.state["best_step"] else None
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
             logger.info("checkpoint saved: %s", path)
+        self.topo.barrier()
+
+    def _export_through_checkpoint(self, out_dir):
+        """Pipeline stages: no rank holds the whole model, so every rank writes its tensors in the
+        checkpoint format into a temp dir beside the output, and rank 0 merges that into one HF
+        model / HF-PEFT adapter (trainer/export.py, as llm/merge_tp_and_pp_params.py does)."""
+        tmp = os.path.join(out_dir, ".export-pieces")
+        model_pieces, _, _ = self._pieces()
+        ckpt.save_checkpoint(tmp, self.topo, model_pieces, [], {"global_step": self.state["global_step"]},
+                             writer=self.topo.data_rank == 0, meta=self.checkpoint_meta)
+        if self.main:
+            from .export import merge_checkpoint
+
+            merge_checkpoint(tmp, output=out_dir)
+            shutil.rmtree(tmp, ignore_errors=True)
         self.topo.barrier()
 
     def _unified(self, path):
@@ -512,7 +573,14 @@ class Trainer:
                 if self.main:
                     logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
                                 st["best_metric"], path)
-        if self.tp is not None and self.export_fn == self._default_export:
+        if self.pp is not None and self.checkpoint_meta is not None:
+            self._export_through_checkpoint(a.output_dir)
+        elif self.pp is not None:   # no run description to merge with: the caller's export only
+            runtime.warn_once("pp_export", "pipeline parallel without checkpoint_meta: the final model "
+                              "is not merged (each stage holds part of it); export_fn runs on rank 0")
+            if self.main:
+                self.export_fn(a.output_dir)
+        elif self.tp is not None and self.export_fn == self._default_export:
             self.export_fn(a.output_dir)                 # every rank: the tensors are gathered
         elif self.tp is not None:                        # PEFT: the adapter's tensors gathered
             from ..parallel.tensor import full_params
