@@ -46,7 +46,8 @@ def _gather_trainable(model, trainer, tpg):
 
 def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max_grad_norm=0.05,
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
-               save_steps=0, resume=None, neftune=False, rdrop=False):
+               save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
+               zero_padding=False, trace=False):
     import numpy as np
     import paddle
 
@@ -58,7 +59,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
 
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                          max_steps=steps, logging_steps=1, learning_rate=lr, max_grad_norm=max_grad_norm,
-                         tensor_parallel_degree=tp, lr_scheduler_type="constant", seed=0,
+                         tensor_parallel_degree=tp, pipeline_parallel_degree=pp, recompute=recompute,
+                         lr_scheduler_type="constant", seed=0,
                          per_device_eval_batch_size=4, adam_epsilon=adam_epsilon,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                          resume_from_checkpoint=resume)
@@ -74,8 +76,16 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     setup = peft.apply(model, margs)
     data, dev = copy_data(32, 0), copy_data(eval_n, 1)
     marks = []   # length of the collective log after each optimizer step
+    source = None
+    if zero_padding:   # packed rows of different lengths every step
+        from paddletune.data.packing import PackedSource
+
+        source = PackedSource(data, 64, micro, accum, topo.data_degree, topo.data_rank, seed=0)
+    pipe = getattr(model, "pipeline", None)
+    if pipe is not None and trace:
+        pipe.trace = []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
-                      export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn,
+                      export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn, train_source=source,
                       callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0)])
     tpg = getattr(model, "tensor_parallel", None)
     initial = _gather_trainable(model, trainer, tpg)
@@ -100,12 +110,15 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "shapes": {n: [list(p.shape), list((p._local_value() if p.is_dist() else p).shape)]
                          for n, p in model.named_parameters()},
               "eval_logits_width": widths[0] if widths else None, "comm": comm,
-              "engine_reshards": dict(rec.calls), "rank": topo.rank}
+              "engine_reshards": dict(rec.calls), "rank": topo.rank,
+              "trace": pipe.trace if pipe is not None and trace else None,
+              "stage": topo.pp_rank}
     state = _gather_trainable(model, trainer, tpg)
-    if topo.is_main:
+    if topo.tp_rank == 0 and topo.data_rank == 0:   # one writer per pipeline stage
         os.makedirs(out_dir, exist_ok=True)
+        suffix = f"-stage{topo.pp_rank}" if topo.pp_degree > 1 else ""
         for fname, tensors in (("trained", state), ("initial", initial)):
-            hf.write_safetensors(os.path.join(out_dir, f"{fname}.safetensors"),
+            hf.write_safetensors(os.path.join(out_dir, f"{fname}{suffix}.safetensors"),
                                  {n: np.asarray(a, np.float32) for n, a in tensors.items()})
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)

@@ -79,7 +79,7 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
                              f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
 
 
-def load_weights(model, path, spec=None, reader=None, params=None, partial=False):
+def load_weights(model, path, spec=None, reader=None, params=None, only=None):
     """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
     {hf_name: parameter} map), checking every shape first against the checkpoint header.
 
@@ -92,6 +92,9 @@ def load_weights(model, path, spec=None, reader=None, params=None, partial=False
     params = params if params is not None else dict(model.named_parameters())
     quantized = {m.weight_name: m for m in model.sublayers()
                  if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+    if only is not None:   # a pipeline stage reads its own tensors only
+        params = {n: p for n, p in params.items() if only(n)}
+        quantized = {n: m for n, m in quantized.items() if only(n)}
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
         p.set_value(hf.read_slice(reader, spec, name).astype(np.float32, copy=False))
@@ -102,7 +105,7 @@ def load_weights(model, path, spec=None, reader=None, params=None, partial=False
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
     extra = [k for k in reader.keys() if k not in params and k not in quantized
              and not k.endswith("inv_freq")]
-    if extra and not partial:   # (a pipeline stage reads its own part only)
+    if extra and only is None:   # (a pipeline stage reads its own part only)
         logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
     return model
 
@@ -132,23 +135,25 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     model = build_model(cfg)
     model.name_or_path = path
     pp = topology is not None and topology.pp_degree > 1
-    if pp:   # this stage's blocks (and embedding / norm / head) only, before any weight is read
-        from ..parallel.pipeline import check_stages, prune_to_stage
+    only = None
+    if pp:   # this stage's blocks (and embedding / norm / head) only are read; the rest stays lazy
+        from ..parallel.pipeline import check_stages, owned
 
         check_stages(cfg, topology.pp_degree)
-        prune_to_stage(model, topology.pp_rank, topology.pp_degree)
     if quant is not None:
         from ..quant import format_report, quantize_model_lazily
 
         quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
+    if pp:
+        only = owned(model, topology.pp_rank, topology.pp_degree)
     if tp:   # this rank's slices only, as DTensors; the plan's executors installed
         from ..parallel import tensor as tensor_parallel
 
         group = tensor_parallel.TensorParallel(topology)
-        tensor_parallel.load_sharded(model, path, group)
+        tensor_parallel.load_sharded(model, path, group, only=only)
         tensor_parallel.install(model, group)
     else:
-        load_weights(model, path, spec, partial=pp)
+        load_weights(model, path, spec, only=only)
     if pp:
         from ..parallel.pipeline import Pipeline
 

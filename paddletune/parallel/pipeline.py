@@ -49,27 +49,49 @@ class Absent(nn.Layer):
         raise RuntimeError(f"{self.what} lives on another pipeline stage")
 
 
+def stage_parts(model, stage, num_stages):
+    """[(module, kept?, what)] of the stage-divided parts of the model: every decoder block, the
+    embedding (first stage, and the last when it is tied to the head), the final norm and head
+    (last stage). Everything else (a prefix encoder) is on every stage."""
+    keep = stage_layers(len(model.decoder_layers()), num_stages, stage)
+    first, last = stage == 0, stage == num_stages - 1
+    tied = model.get_output_embeddings() is None
+    parts = [(layer, i in keep, f"decoder block {i}") for i, layer in enumerate(model.decoder_layers())]
+    parts += [(model.get_input_embeddings(), first or (last and tied), "the embedding"),
+              (model.final_norm(), last, "the final norm")]
+    if not tied:
+        parts.append((model.get_output_embeddings(), last, "the LM head"))
+    return parts
+
+
+def owned(model, stage, num_stages):
+    """predicate(parameter name): whether this stage loads and trains the tensor."""
+    absent = set()
+    for module, kept, _ in stage_parts(model, stage, num_stages):
+        if not kept:
+            absent |= {id(p) for p in module.parameters()}
+            absent |= {id(m) for m in module.sublayers(include_self=True)}
+    names = {n for n, p in model.named_parameters() if id(p) in absent}
+    quantized = {m.weight_name for m in model.sublayers() if id(m) in absent and getattr(m, "weight_name", None)}
+    return lambda name: name not in names and name not in quantized
+
+
 def prune_to_stage(model, stage, num_stages):
-    """Replace what this stage does not hold by Absent modules, before any weight is read. Names
-    of what stays are unchanged (full-model names in checkpoints and exports)."""
+    """Replace what this stage does not hold by Absent modules (their parameters were never
+    loaded: models.load_model reads only the stage's). Done after PEFT wrapped the layers, so
+    adapters are drawn as in one process and then dropped with the blocks they belong to. Names of
+    what stays are unchanged (full-model names in checkpoints and exports)."""
     from ..peft.common import replace_module
 
     names = {id(m): n for n, m in model.named_sublayers()}
-    keep = stage_layers(len(model.decoder_layers()), num_stages, stage)
     layers = model.decoder_layers()
-    for i in range(len(layers)):
-        if i not in keep:
-            layers[i] = Absent(f"decoder block {i}")
-    first, last = stage == 0, stage == num_stages - 1
-    tied = model.get_output_embeddings() is None
-    parts = [(model.get_input_embeddings(), first or (last and tied), "the embedding"),
-             (model.final_norm(), last, "the final norm")]
-    if not tied:
-        parts.append((model.get_output_embeddings(), last, "the LM head"))
-    for module, kept, what in parts:
-        if not kept:
+    for module, kept, what in stage_parts(model, stage, num_stages):
+        if kept:
+            continue
+        if what.startswith("decoder block"):
+            layers[int(what.rsplit(" ", 1)[1])] = Absent(what)
+        else:
             replace_module(model, names[id(module)], Absent(what))
-    return keep
 
 
 class Pipeline:
@@ -83,10 +105,10 @@ class Pipeline:
         self.prev = ranks[self.stage - 1] if self.stage > 0 else None
         self.next = ranks[self.stage + 1] if self.stage < self.num_stages - 1 else None
         self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
-        self.layers = [model.decoder_layers()[i] for i in
-                       stage_layers(len(model.decoder_layers()), self.num_stages, self.stage)]
+        self.layer_ids = stage_layers(len(model.decoder_layers()), self.num_stages, self.stage)
         self.group = None if len(ranks) == topo.world_size else topo.groups["pp"]
         self.trace = None   # when a list: ("F"|"B", micro-batch) and sends/recvs, in order
+        self.replicated = set()   # trainable names held whole on every stage (a prefix encoder)
         tied = model.get_output_embeddings() is None and self.num_stages > 1
         self.tied_group = self._tied_group() if tied else None
         # the tied embedding's name where this stage holds a copy (first and last stage)
@@ -159,7 +181,7 @@ class Pipeline:
             h = m.embed(ids)
         ctx = m.context(ids.shape[0], ids.shape[1], batch.get("attention_mask"), batch.get("position_ids"),
                         None, batch.get("segment_ids"), h.dtype)
-        h = m.run_layers(h, ctx, self.layers)
+        h = m.run_layers(h, ctx, [m.decoder_layers()[i] for i in self.layer_ids])
         return m.final_norm()(h) if self.last else h
 
     def _local(self):
@@ -253,10 +275,31 @@ class Pipeline:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def finalize(self, trainable):
+        """After PEFT: drop what other stages hold (prune_to_stage) and note the trainable tensors
+        every stage holds whole (they get their gradients summed over the stages). Returns the
+        names of `trainable` that stay on this stage."""
+        prune_to_stage(self.model, self.stage, self.num_stages)
+        held = dict(self.model.named_parameters())
+        stage_ids = {id(p) for m, kept, _ in stage_parts(self.model, self.stage, self.num_stages) if kept
+                     for p in m.parameters()}
+        self.replicated = {n for n in trainable if n in held and id(held[n]) not in stage_ids}
+        return [n for n in trainable if n in held]
+
     def counts_once(self, name):
-        """False for the last stage's copy of the tied embedding (norms and checkpoints count the
-        first stage's)."""
+        """False for the copies norms and checkpoints must not count again: the last stage's
+        tied embedding, and a replicated tensor on every stage but the first."""
+        if name in self.replicated:
+            return self.first
         return not (self.tied_name == name and self.last and not self.first)
+
+    def sum_replicated_grads(self, named, grads):
+        """A tensor every stage holds (a prefix: one slice per block) gets each stage's part of the
+        gradient: summed over the stages, every copy takes the same update."""
+        for i, (n, _) in enumerate(named):
+            if n in self.replicated and self.num_stages > 1:
+                dist.all_reduce(grads[i], group=self.group)
+        return grads
 
     def sum_tied_grads(self, named, grads):
         """The tied embedding's gradient from the embedding (first stage) plus the head's (last

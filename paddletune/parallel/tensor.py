@@ -467,7 +467,7 @@ def read_local(reader, spec, name, split, shape, tp):
     return out
 
 
-def load_sharded(model, path, tp, reader=None):
+def load_sharded(model, path, tp, reader=None, only=None):
     """Fill a lazily built model with this rank's slices (models.load_model under TP): every
     parameter becomes a DTensor holding only its slice; quantized linears quantize their slice."""
     from ..models import hf
@@ -481,6 +481,9 @@ def load_sharded(model, path, tp, reader=None):
         tp.replica_group(tp.degree // kv)
     quantized = {m.weight_name: m for m in model.sublayers()
                  if getattr(m, "weight_name", None) and hasattr(m, "set_weight")}
+    if only is not None:   # a pipeline stage reads its own tensors only
+        params = {n: p for n, p in params.items() if only(n)}
+        quantized = {n: m for n, m in quantized.items() if only(n)}
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
         split = param_split(spec, cfg, name, list(p.shape))

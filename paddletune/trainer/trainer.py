@@ -73,8 +73,10 @@ class Trainer:
             raise ValueError("no trainable parameters")
         # tensor parallel: parameters are DTensors (parallel/tensor.py); PEFT's new ones are placed
         # now, the loss runs on vocabulary shards, the optimizer updates the local shards
-        self.tp = getattr(model, "tensor_parallel", None)
         self.pp = getattr(model, "pipeline", None)   # this rank's pipeline stage, or None
+        if self.pp is not None:   # drop the other stages' blocks (and the adapters PEFT put there)
+            self.trainable = {n: self.trainable[n] for n in self.pp.finalize(self.trainable)}
+        self.tp = getattr(model, "tensor_parallel", None)
         if self.pp is not None and loss_fn is not None:
             raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
                              "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
@@ -164,8 +166,8 @@ class Trainer:
             from ..parallel.tensor import sum_replicated_grads
 
             grads = sum_replicated_grads(self.model, named, grads, self.tp)
-        if self.pp is not None:   # a tied embedding's two copies (first and last stage)
-            grads = self.pp.sum_tied_grads(named, grads)
+        if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
+            grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
         grads = self.topo.all_reduce_grads(grads)
         norm = self._grad_norm(named, grads)
         max_norm = self.args.max_grad_norm
