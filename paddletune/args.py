@@ -175,7 +175,7 @@ class TrainingArguments:
     amp_master_grad: bool = F(False, "float32 master gradients under O2 (GPU)", "no_effect", "gradients are float32 on CPU")
     scale_loss: float = F(32768.0, "initial fp16 loss scale (GPU)")
     recompute: bool = F(False, "recompute activations in backward (less memory, ~1/3 more compute)")
-    recompute_granularity: str = F("full", "full: whole decoder layers", choices=["full", "full_attn", "core_attn"])
+    recompute_granularity: str = F("full", "what recompute recomputes: full (whole decoder layers), full_attn (each attention sub-layer, projections included), core_attn (softmax(q k^T) v only)", choices=["full", "full_attn", "core_attn"])
     disable_tqdm: bool = F(False, "no progress bar")
     dataloader_drop_last: bool = F(False, "drop the last incomplete global batch of each epoch")
     dataloader_num_workers: int = F(0, "data loader worker processes", "no_effect", "batches are built in the training process")

@@ -35,6 +35,9 @@ CASES = {   # name -> (checkpoint kind, train_case kwargs)
     "llama_bitfit_neftune": ("llama", {"method": "bitfit", "neftune": True, "lr": 2e-2, "max_grad_norm": 0.01}),
     "llama_int8_lora": ("llama", {"method": "qlora", "quant": "weight_only_int8", "lr": 2e-2}),
     "chatglm2_prefix": ("chatglm", {"method": "prefix", "lr": 2e-2, "max_grad_norm": 0.005}),
+    "llama_lora_recompute_full_attn": ("llama", {"method": "lora", "lr": 2e-2, "lora_dropout": 0.1,
+                                                 "recompute": True, "recompute_granularity": "full_attn"}),
+    "chatglm2_recompute_core_attn": ("chatglm", {"recompute": True, "recompute_granularity": "core_attn"}),
 }
 
 

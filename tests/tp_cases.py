@@ -47,7 +47,7 @@ def _gather_trainable(model, trainer, tpg):
 def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max_grad_norm=0.05,
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
-               zero_padding=False, trace=False):
+               zero_padding=False, trace=False, recompute_granularity="full"):
     import numpy as np
     import paddle
 
@@ -60,6 +60,7 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                          max_steps=steps, logging_steps=1, learning_rate=lr, max_grad_norm=max_grad_norm,
                          tensor_parallel_degree=tp, pipeline_parallel_degree=pp, recompute=recompute,
+                         recompute_granularity=recompute_granularity,
                          lr_scheduler_type="constant", seed=0,
                          per_device_eval_batch_size=4, adam_epsilon=adam_epsilon,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,

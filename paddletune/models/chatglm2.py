@@ -205,7 +205,7 @@ class SelfAttention(nn.Layer):
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v)
         out = attention(q, k, v, ctx.mask, self.dropout, self.training, flash=ctx.flash,
-                        dropout_fn=ctx.dropout)
+                        dropout_fn=ctx.dropout, recompute=ctx.recompute == "core_attn")
         return self.dense(out)
 
 
@@ -358,4 +358,4 @@ SPEC = register(ModelSpec(
     adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"), tiny_config=_TINY,
     default_chat_template="chatglm2", lm_head="transformer.output_layer", tp_parts=_tp_parts,
     tokenizer_classes={"ChatGLMTokenizer": "paddletune.models.chatglm_tokenizer:ChatGLMTokenizer"},
-    conversion_fixups=rope_ratio_fixup))
+    conversion_fixups=rope_ratio_fixup, attention_module="self_attention"))

@@ -269,7 +269,7 @@ def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dr
 
 
 def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash=False,
-              dropout_fn=None):
+              dropout_fn=None, recompute=False):
     """Scaled dot-product attention with grouped KV heads and no K/V repetition.
 
     q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias: bool mask broadcastable to
@@ -277,7 +277,14 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
     `scale` multiplies the scores: None = 1/sqrt(D); 1.0 when q was scaled already (RopeTables).
     `flash`: packed rows may use the GPU varlen flash-attention kernel (see PackedRows).
     `dropout_fn(probs, p, training)` replaces F.dropout on the probabilities when given.
+    `recompute`: keep only q, k, v for backward and run softmax(q k^T) v again then
+    (recompute_granularity core_attn; the dropout masks are replayed from the saved RNG state).
     Returns [B, S, N*D]."""
+    if recompute and training and not (q.stop_gradient and k.stop_gradient and v.stop_gradient):
+        from paddle.distributed.fleet.utils import recompute as run_again
+
+        return run_again(lambda q_, k_, v_: attention(q_, k_, v_, bias, dropout, training, scale, flash,
+                                                      dropout_fn), q, k, v, use_reentrant=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn)

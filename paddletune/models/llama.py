@@ -128,7 +128,7 @@ class LlamaAttention(nn.Layer):
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v)
         out = attention(q, k, v, ctx.mask, self.dropout, self.training, scale=1.0,
-                        flash=ctx.flash, dropout_fn=ctx.dropout)
+                        flash=ctx.flash, dropout_fn=ctx.dropout, recompute=ctx.recompute == "core_attn")
         return self.o_proj(out)
 
 
@@ -234,4 +234,5 @@ for _mt, _arch, _tiny_cfg, _tmpl in (
         not_linear=("model.embed_tokens.weight",),
         lora_targets=tuple(rf".*\.{n}$" for n in _LINEARS), tp_plan=dict(_TP_PLAN),
         prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$", r".*\.down_proj$"),
-        tiny_config=_tiny_cfg, default_chat_template=_tmpl, tp_parts=_tp_parts))
+        tiny_config=_tiny_cfg, default_chat_template=_tmpl, tp_parts=_tp_parts,
+        attention_module="self_attn"))

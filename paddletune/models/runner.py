@@ -48,12 +48,16 @@ class BlockContext:
     cache: KVCache (generation), PrefixCache (prefix tuning) or None
     flash: whether packed rows may use the GPU varlen flash-attention kernel
     dropout: f(probs [B, K, g*S, T], p, training) for attention dropout, or None (F.dropout);
-           tensor parallelism passes one that draws the one-process mask over all heads"""
+           tensor parallelism passes one that draws the one-process mask over all heads
+    recompute: None, or "full_attn" / "core_attn" while training with that recompute granularity:
+           the part of the block whose activations are recomputed in backward ("full" recomputes
+           whole blocks from the runner)"""
     rope: object
     mask: object = None
     cache: object = None
     flash: bool = False
     dropout: object = None
+    recompute: object = None
 
 
 class CausalLM(nn.Layer):
@@ -64,7 +68,8 @@ class CausalLM(nn.Layer):
     def __init__(self, config, spec):
         super().__init__()
         self.config, self.spec = config, spec
-        self.recompute = False          # recompute each block's activations in backward (training)
+        self.recompute = False          # recompute activations in backward (training)
+        self.recompute_granularity = "full"   # full (whole blocks), full_attn, core_attn
         self.flash_attention = False    # packed rows: GPU varlen flash attention (UNTESTED here)
         self.heads_dropout = None       # attention dropout function (parallel/ sets one under TP)
         self.embedding_hook = None      # f(embeddings) -> embeddings, e.g. NEFTune noise
@@ -114,20 +119,39 @@ class CausalLM(nn.Layer):
         return self.embedding_hook(h) if self.embedding_hook is not None else h
 
     def run_layers(self, h, ctx, layers=None):
-        """Apply `layers` (default: every decoder block) in order."""
+        """Apply `layers` (default: every decoder block) in order. With recompute on (training),
+        granularity "full" recomputes whole blocks here; "full_attn" each block's attention
+        module (ModelSpec.attention_module) and "core_attn" softmax(q k^T) v only, from inside."""
+        # recompute only where the block input carries a gradient (a frozen embedding's output
+        # does not: recomputing that block would save nothing and paddle warns about it); a
+        # PrefixCache holds no state between calls, so recomputing is safe with it, a KVCache
+        # (generation) is written in place and is not
+        on = self.recompute and self.training and (ctx.cache is None or isinstance(ctx.cache, PrefixCache))
+        mode = self.recompute_granularity if on else None
+        ctx.recompute = mode if mode in ("full_attn", "core_attn") else None
+        if mode == "full_attn":
+            self._wrap_attention_modules()
         for layer in (self.decoder_layers() if layers is None else layers):
-            # recompute only where the block input carries a gradient (a frozen embedding's output
-            # does not: recomputing that block would save nothing and paddle warns about it); a
-            # PrefixCache holds no state between calls, so recomputing is safe with it, a KVCache
-            # (generation) is written in place and is not
-            if (self.recompute and self.training and not h.stop_gradient
-                    and (ctx.cache is None or isinstance(ctx.cache, PrefixCache))):
+            if mode == "full" and not h.stop_gradient:
                 from paddle.distributed.fleet.utils import recompute
 
                 h = recompute(layer, h, ctx, use_reentrant=False)
             else:
                 h = layer(h, ctx)
         return h
+
+    def _wrap_attention_modules(self):
+        """Once: every block's attention module recomputes itself when ctx.recompute is full_attn."""
+        name = self.spec.attention_module
+        if name is None:
+            raise ValueError(f"recompute_granularity full_attn: model type {self.config.model_type!r} "
+                             "names no attention module (ModelSpec.attention_module)")
+        for block in self.decoder_layers():
+            attn = getattr(block, name, None)
+            if attn is None or getattr(attn, "_pt_recompute", False):
+                continue
+            attn.forward = _recompute_when_asked(attn.forward)
+            attn._pt_recompute = True
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
                 segment_ids=None, return_hidden=False):
@@ -141,3 +165,14 @@ class CausalLM(nn.Layer):
         if return_hidden:
             return CausalLMOutput(hidden_states=h)
         return CausalLMOutput(logits=self.logits(h))
+
+
+def _recompute_when_asked(forward):
+    """forward(x, ctx) recomputed in backward when ctx.recompute == "full_attn" and x needs grad."""
+    def wrapped(x, ctx):
+        if ctx.recompute == "full_attn" and not x.stop_gradient:
+            from paddle.distributed.fleet.utils import recompute
+
+            return recompute(forward, x, ctx, use_reentrant=False)
+        return forward(x, ctx)
+    return wrapped

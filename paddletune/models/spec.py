@@ -46,6 +46,8 @@ class ModelSpec:
     # conversion_fixups(src_dir, config, overrides) -> {key: value}: config keys a checkpoint
     # converted by tools/convert_checkpoint.py must gain (facts the source files state elsewhere)
     conversion_fixups: Optional[Callable] = None
+    # name of the attention sub-module of a decoder block (recompute_granularity full_attn)
+    attention_module: Optional[str] = None
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}

@@ -402,6 +402,9 @@ def install(model, tp):
     blocks = list(model.decoder_layers())
     for block in blocks:
         run_locally(block)
+        attn = getattr(block, spec.attention_module or "", None)
+        if attn is not None:   # recompute_granularity full_attn re-runs it outside the block's call
+            run_locally(attn)
     run_locally(model, "forward", skip=blocks)
     run_locally(model, "logits", skip=blocks)
     model.tensor_parallel = tp

@@ -101,6 +101,7 @@ class Trainer:
         runtime.reuse_freed_memory()   # training speed: no page faults for every new tensor
         self._last_norm, self._last_lr = None, 0.0
         self.model.recompute = bool(args.recompute)
+        self.model.recompute_granularity = args.recompute_granularity
 
     # ---------------------------------------------------------------- setup
     def _local(self, t):
