@@ -187,7 +187,8 @@ class TrainingArguments:
     sharding: str = F("", "sharding stage: stage1, stage2 or stage3 (optionally several, space-separated)")
     sep_parallel_degree: int = F(-1, "sequence parallel", "refused", "sequence parallelism is not implemented")
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
-    pipeline_parallel_config: str = F("", "PaddleNLP PP tuning flags", "no_effect", NOEFF_PARALLEL)
+    pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
+    virtual_pp_degree: int = F(1, "virtual pipeline stages per rank (interleaved 1F1B)", "refused", "the interleaved schedule is not built; the non-interleaved 1F1B runs with 1")
     sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
@@ -448,6 +449,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_quant(model_args, quant_args, args, err)
     _check_parallel(args, err, warn)
     _check_tensor_parallel(model_args, data_args, args, err)
+    _check_pipeline_config(args, warn)
     _check_generation(data_args, gen_args, args, err)
     _check_data(model_args, data_args, args, err, warn)
 
@@ -556,6 +558,17 @@ def _check_parallel(args, err, warn):
             err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
                 "issue); remove it or set sharding_parallel_degree to 1")
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+
+
+PP_FLAGS_HONOURED = ("disable_p2p_cache_shape",)
+
+
+def _check_pipeline_config(args, warn):
+    """pipeline_parallel_config flags: the honoured ones silently, every other one warned once."""
+    for flag in (args.pipeline_parallel_config or "").split():
+        if flag not in PP_FLAGS_HONOURED:
+            warn(f"'pipeline_parallel_config: {flag}' has no effect here (the pipeline is a plain "
+                 "1F1B over point-to-point sends; only disable_p2p_cache_shape applies, always)")
 
 
 def _check_tensor_parallel(model_args, data_args, args, err):

@@ -21,10 +21,15 @@ QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "-
 def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tpscripts")
     runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json",
-            "lora_zero_padding": "llm/llama/lora_tp_argument.json", "sft_lazy": "llm/llama/sft_tp_argument.json"}
+            "lora_zero_padding": "llm/llama/lora_tp_argument.json", "sft_lazy": "llm/llama/sft_tp_argument.json",
+            "sft_pp": "llm/llama/sft_pp_argument.json", "lora_pp": "llm/llama/lora_argument.json"}
+    pp2 = ["--tensor_parallel_degree", "1", "--pipeline_parallel_degree", "2",
+           "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4"]
     extra = {"lora_zero_padding": ["--zero_padding", "true", "--lora_dropout", "0.1", "--max_length", "128",
                                    "--src_length", "64"],
-             "sft_lazy": ["--lazy", "true"]}
+             "sft_lazy": ["--lazy", "true"],
+             "sft_pp": pp2 + ["--save_strategy", "steps", "--save_steps", "3"],
+             "lora_pp": pp2}
     unified = ["--save_strategy", "steps", "--save_steps", "3", "--unified_checkpoint", "true"]
     cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
                                                                       str(base / k / "tp")] + QUICK
@@ -33,8 +38,10 @@ def outputs(tmp_path_factory):
     got = launch_cases(cases, base, nproc=2)
     assert all(code == 0 for res in got.values() for code in res)
     for k, f in runs.items():   # the same file in one process (tensor_parallel_degree back to 1)
+        one = [a if a != "2" or i == 0 or extra.get(k, [])[i - 1] != "--pipeline_parallel_degree" else "1"
+               for i, a in enumerate(extra.get(k, []))]
         r = run_script([os.path.join(ROOT, SCRIPT), os.path.join(ROOT, f), "--output_dir", str(base / k / "one"),
-                        "--tensor_parallel_degree", "1"] + QUICK + extra.get(k, []))
+                        "--tensor_parallel_degree", "1"] + QUICK + one)
         assert r.returncode == 0, r.stderr[-3000:]
     return base
 
@@ -105,3 +112,23 @@ def test_packed_and_streamed_data_under_tp(outputs, run):
         a, b = (SafetensorsFile(str(d / "adapter_model.safetensors")) for d in (tp, one))
         for k in b.keys():
             assert np.abs(a.get(k) - b.get(k)).max() <= 1e-4 * max(np.abs(b.get(k)).max(), 1e-12), k
+
+
+def test_pipeline_outputs_and_merge_tool(outputs):
+    """PP=2 through the script: the final output_dir holds one HF model (merged from the stages'
+    slices) / one HF-PEFT adapter equal to the single-process run's; llm/merge_tp_and_pp_params.py
+    on the PP checkpoint gives the same model."""
+    a, b = CheckpointReader(str(outputs / "sft_pp" / "tp")), CheckpointReader(str(outputs / "sft_pp" / "one"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    assert max(rel_err(a.get(k), b.get(k)) for k in b.keys()) <= 1e-4
+    ck = outputs / "sft_pp" / "tp" / "checkpoint-3"
+    shards = json.load(open(ck / "shards.json"))["model"]
+    assert len({p["file"] for e in shards.values() for p in e["pieces"]}) == 2   # one file per stage
+    r = run_script([os.path.join(ROOT, "llm", "merge_tp_and_pp_params.py"), "--model_name_or_path", str(ck)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = CheckpointReader(str(ck))
+    assert all(np.array_equal(m.get(k), a.get(k)) for k in a.keys())
+    x, y = (SafetensorsFile(str(outputs / "lora_pp" / d / "adapter_model.safetensors")) for d in ("tp", "one"))
+    assert sorted(x.keys()) == sorted(y.keys())
+    for k in y.keys():
+        assert np.abs(x.get(k) - y.get(k)).max() <= 1e-4 * max(np.abs(y.get(k)).max(), 1e-12), k
