@@ -14,3 +14,9 @@ def test_tensor_parallel_benchmark_smoke():
     r = run_script([os.path.join(ROOT, "benchmarks", "tensor_parallel.py"), "--smoke"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| peak RSS growth while loading (MiB) |" in r.stdout and "vs Megatron analytic" in r.stdout
+
+
+def test_pipeline_recompute_benchmark_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "pipeline_recompute.py"), "--smoke", "--steps", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| core_attn |" in r.stdout and "1F1B bubble" in r.stdout

@@ -111,6 +111,7 @@ def test_schedule_is_1f1b_with_at_most_p_in_flight(runs):
     _, _, got, _ = runs
     t0, t1 = (r["trace"] for r in got["llama3_sft"])
     order = lambda t: [f"{e[0]}{e[1]}" for e in t if e[0] in ("F", "B")][:8]  # noqa: E731
+    # (events carry a time stamp: ("F", k, t), ("F_end", k, t), sends / receives)
     assert order(t0) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], order(t0)
     assert order(t1) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"], order(t1)
     for t in (t0, t1):

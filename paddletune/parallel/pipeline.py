@@ -25,6 +25,8 @@ recv_activation) over paddle.distributed.send / recv.
 The loss: the last stage back-propagates loss_sum / N (N = target tokens of the global batch, as
 without pipelining), so gradients equal the single-process run's; logged losses are broadcast.
 """
+import time
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -202,12 +204,13 @@ class Pipeline:
         the micro-batches (the last stage's; 0 on the others), a float32 scalar tensor."""
         M, P = len(micro_batches), self.num_stages
         warm = min(P - 1 - self.stage, M)
+        self._log("step", M, time.perf_counter())
         state = {}                        # micro-batch -> (stage input, output or scaled loss)
         loss_acc = paddle.zeros([], "float32")
 
         def forward(k, h_in):
             nonlocal loss_acc
-            self._log("F", k)
+            self._log("F", k, time.perf_counter())
             with self._local():
                 out = self.forward_stage(micro_batches[k], h_in)
                 if self.last:
@@ -215,15 +218,17 @@ class Pipeline:
                     loss_acc = loss_acc + res.loss_sum.detach().astype("float32")
                     out = res.loss_sum / max(n_global, 1.0)
             state[k] = (h_in, out)
+            self._log("F_end", k, time.perf_counter())
             return None if self.last else out
 
         def backward(k, grad_out):
-            self._log("B", k)
+            self._log("B", k, time.perf_counter())
             h_in, out = state.pop(k)
             if self.last:
                 out.backward()
             else:
                 paddle.autograd.backward([out], [grad_out])
+            self._log("B_end", k, time.perf_counter())
             return None if self.first else h_in.grad
 
         def recv_input():
@@ -255,6 +260,7 @@ class Pipeline:
             g_in = backward(i, grad)
             if not self.first:
                 self.send_activation(g_in, self.prev, grad=True)
+        self._log("step_end", M, time.perf_counter())
         return loss_acc
 
     @paddle.no_grad()
