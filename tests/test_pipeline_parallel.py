@@ -27,9 +27,11 @@ PP2 = {   # name -> (checkpoint, train_case kwargs); micro 2 x accumulation 4 = 
     "llama3_zero_padding_recompute": ("llama3", {"zero_padding": True, "recompute": True}),
     "qwen2_tied_vocab601": ("qwen2", {}),
     "chatglm2_sft": ("chatglm", {}),
+    "llama3_adapter": ("llama3", {"method": "adapter", "lr": 2e-2, "max_grad_norm": 0.02}),
 }
 TP_PP = {"llama3_sft": ("llama3", {}), "llama3_lora": ("llama3", {"method": "lora", "lr": 2e-2}),
          "qwen2_tied_vocab601": ("qwen2", {})}
+DP_PP = {"llama3_sft": ("llama3", {"micro": 4, "accum": 1})}   # 4 x 2 data ranks = 4 x 2 micro-batches
 
 
 def _checkpoints(base):
@@ -138,6 +140,8 @@ def runs4(runs):
     base, cks, _, ref = runs
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=cks[k], out_dir=str(base / "tppp" / n), pp=2, tp=2))
              for n, (k, kw) in TP_PP.items()]
+    cases += [(f"dp_{n}", "tp_cases:train_case", dict(kw, ckpt=cks[k], out_dir=str(base / "dppp" / n), pp=2))
+              for n, (k, kw) in DP_PP.items()]
     got = launch_cases(cases, base / "tppp", nproc=4, timeout=900)
     single = {n: ref.get(n) for n in TP_PP}
     return base, cks, got, single
@@ -158,3 +162,8 @@ def test_tp2_pp2_equals_one_process(runs4, name):
     shapes = got[name][3]["shapes"]                    # rank 3: last stage, second TP rank
     assert all(n.startswith(("model.layers.2", "model.norm", "lm_head", "model.embed_tokens"))
                for n in shapes)
+
+
+def test_dp2_pp2_equals_one_process(runs4):
+    base, _, got, single = runs4
+    _compare(got["dp_llama3_sft"], single["llama3_sft"], base / "dppp" / "llama3_sft", base / "llama3_sft" / "single")

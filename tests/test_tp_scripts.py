@@ -22,14 +22,15 @@ def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tpscripts")
     runs = {"sft": "llm/llama/sft_tp_argument.json", "lora": "llm/llama/lora_tp_argument.json",
             "lora_zero_padding": "llm/llama/lora_tp_argument.json", "sft_lazy": "llm/llama/sft_tp_argument.json",
-            "sft_pp": "llm/llama/sft_pp_argument.json", "lora_pp": "llm/llama/lora_argument.json"}
+            "sft_pp": "llm/llama/sft_pp_argument.json", "lora_pp": "llm/llama/lora_argument.json",
+            "sft_pp_lazy": "llm/llama/sft_argument.json"}
     pp2 = ["--tensor_parallel_degree", "1", "--pipeline_parallel_degree", "2",
            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4"]
     extra = {"lora_zero_padding": ["--zero_padding", "true", "--lora_dropout", "0.1", "--max_length", "128",
                                    "--src_length", "64"],
              "sft_lazy": ["--lazy", "true"],
              "sft_pp": pp2 + ["--save_strategy", "steps", "--save_steps", "3"],
-             "lora_pp": pp2}
+             "lora_pp": pp2, "sft_pp_lazy": pp2 + ["--lazy", "true"]}
     unified = ["--save_strategy", "steps", "--save_steps", "3", "--unified_checkpoint", "true"]
     cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
                                                                       str(base / k / "tp")] + QUICK
@@ -96,7 +97,7 @@ def test_unified_checkpoint_is_also_a_hf_model(outputs):
     assert all(np.array_equal(x.get(k), y.get(k)) for k in y.keys())
 
 
-@pytest.mark.parametrize("run", ["lora_zero_padding", "sft_lazy"])
+@pytest.mark.parametrize("run", ["lora_zero_padding", "sft_lazy", "sft_pp_lazy"])
 def test_packed_and_streamed_data_under_tp(outputs, run):
     """Zero padding (packed rows, block-diagonal attention on local heads, LoRA dropout 0.1) and
     lazy streamed data under TP=2: losses and the output equal the single-process run's."""
@@ -105,7 +106,7 @@ def test_packed_and_streamed_data_under_tp(outputs, run):
 
     tp, one = outputs / run / "tp", outputs / run / "one"
     assert len(losses(tp)) == 3 and losses(tp) == pytest.approx(losses(one), rel=1e-5)
-    if run == "sft_lazy":
+    if run in ("sft_lazy", "sft_pp_lazy"):
         a, b = CheckpointReader(str(tp)), CheckpointReader(str(one))
         assert max(rel_err(a.get(k), b.get(k)) for k in b.keys()) <= 1e-4
     else:
