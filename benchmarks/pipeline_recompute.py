@@ -2,9 +2,10 @@
 
     python benchmarks/pipeline_recompute.py [--hidden 512 --layers 8 --seq 256 --batch 4] [--smoke]
 
-1. Recompute (one process, full fine-tuning of a random Llama): for recompute off / full /
-   full_attn / core_attn, the peak RSS growth of a training step over the RSS before it (the
-   activations kept for backward dominate it) and the step time (median of --steps).
+1. Recompute (one process, full fine-tuning of a random Llama, each mode in a fresh process):
+   for recompute off / full / full_attn / core_attn, the peak RSS growth of the first training
+   step over the RSS before it (the activations kept for backward dominate it; later steps reuse
+   freed memory, so only the first shows it) and the step time (median of the later --steps).
 2. Pipeline (PP=2 on 2 launched ranks, accumulation m = 2, 4, 8, micro-batch 1): per stage, the
    share of the step spent outside forward / backward compute (waiting for the other stage or
    sending) against the 1F1B bubble (p-1)/(m+p-1). On a shared 2-core CPU the two stages also
@@ -63,42 +64,56 @@ json.dump({"stage": topo.pp_rank, "busy": busy, "total": total}, open(os.path.jo
 '''
 
 
+RECOMPUTE_WORKER = r'''
+import json, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import paddletune
+import paddle
+from paddletune.models import build_model
+from paddletune.models.loss import causal_lm_loss
+mode, hidden, layers, seq, batch, steps = sys.argv[2], *map(int, sys.argv[3:8])
+
+def field(name):
+    for line in open("/proc/self/status"):
+        if line.startswith(name + ":"):
+            return int(line.split()[1]) / 1024
+
+cfg = {"model_type": "llama", "vocab_size": 8000, "hidden_size": hidden, "intermediate_size": hidden * 3,
+       "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8,
+       "max_position_embeddings": seq}
+model = build_model(cfg, seed=0)
+model.train()
+model.recompute, model.recompute_granularity = mode != "off", "full" if mode == "off" else mode
+rng = np.random.default_rng(0)
+b = {"input_ids": paddle.to_tensor(rng.integers(3, 8000, (batch, seq))),
+     "labels": paddle.to_tensor(rng.integers(3, 8000, (batch, seq)))}
+open("/proc/self/clear_refs", "w").write("5")
+before = field("VmRSS")
+times = []
+for i in range(steps + 1):
+    t = time.perf_counter()
+    causal_lm_loss(model, b).loss.backward()
+    times.append(time.perf_counter() - t)
+    if i == 0:   # the first step's peak: what it kept for backward, in a fresh process
+        growth = field("VmHWM") - before
+    model.clear_gradients()
+print(json.dumps({"growth": growth, "time": statistics.median(times[1:])}))
+'''
+
+
 def recompute_rows(a):
-    import numpy as np
-    import paddle
-
-    from paddletune.models import build_model
-    from paddletune.models.loss import causal_lm_loss
-
-    def rss():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:") or line.startswith("VmRSS:"):
-                yield int(line.split()[1]) / 1024
-
-    cfg = {"model_type": "llama", "vocab_size": 8000, "hidden_size": a.hidden, "intermediate_size": a.hidden * 3,
-           "num_hidden_layers": a.layers, "num_attention_heads": 8, "num_key_value_heads": 8,
-           "max_position_embeddings": a.seq}
+    """Each mode in a fresh process: the first step's peak RSS growth over the RSS before it
+    (activations kept for backward, gradients, temporaries), and the median later step time."""
     rows = []
-    rng = np.random.default_rng(0)
-    batch = {"input_ids": paddle.to_tensor(rng.integers(3, 8000, (a.batch, a.seq))),
-             "labels": paddle.to_tensor(rng.integers(3, 8000, (a.batch, a.seq)))}
     for mode in ("off", "full", "full_attn", "core_attn"):
-        model = build_model(cfg, seed=0)
-        model.train()
-        model.recompute, model.recompute_granularity = mode != "off", "full" if mode == "off" else mode
-        times, growth = [], []
-        for _ in range(a.steps + 1):
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            hwm0, rss0 = rss()
-            t = time.perf_counter()
-            causal_lm_loss(model, batch).loss.backward()
-            times.append(time.perf_counter() - t)
-            hwm, _ = rss()
-            growth.append(hwm - rss0)
-            model.clear_gradients()
-        rows.append((mode, statistics.median(growth[1:]), statistics.median(times[1:])))
-        del model
+        r = subprocess.run([sys.executable, "-c", RECOMPUTE_WORKER, ROOT, mode, str(a.hidden), str(a.layers),
+                            str(a.seq), str(a.batch), str(a.steps)], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+        if r.returncode:
+            sys.exit(f"recompute run failed:\n{r.stderr[-2000:]}")
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append((mode, res["growth"], res["time"]))
     return rows
 
 
