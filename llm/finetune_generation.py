@@ -44,9 +44,9 @@ def prepare(argv=None):
     # the parallel layout: the launched processes factor into the degrees, the model can be cut
     degrees = parallel.degrees_from_args(args, parallel.world_from_env()[0])
     check_layout(spec, config, degrees["tp"])
-    check_checkpoint(model_path, config)   # weight files: headers, names, shapes, dtypes
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
     check_tokenizer(config, tok, model_path)
+    check_checkpoint(model_path, config)   # weight files: headers, names, shapes, dtypes
     explicit = args.resume_from_checkpoint is not None
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)

@@ -165,9 +165,9 @@ def check(a):
         check_writable_file(a.output_file, "output_file")
     path = resolve_model_path(a.model_name_or_path)
     spec, config = load_config(path)
-    check_checkpoint(path, config)
     tok = load_tokenizer(a.tokenizer_name_or_path or path)
     check_tokenizer(config, tok, path)
+    check_checkpoint(path, config)
     t = a.chat_template
     if t is not None and os.path.isdir(t):   # PaddleNLP: a directory holding chat_template.json
         t = os.path.join(t, "chat_template.json")

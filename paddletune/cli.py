@@ -24,6 +24,7 @@ import functools
 import os
 import signal
 import sys
+import time
 import traceback
 
 USER_ERRORS = (ValueError, OSError, ArithmeticError, MemoryError)
@@ -58,6 +59,16 @@ def report(e):
                "nothing checks: please report it; PADDLETUNE_DEBUG=1 shows the traceback)")
 
 
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "Socket closed", "Timed out waiting")
+
+
+def _lost_peer(e):
+    """A collective that failed because another rank went away (it failed first)."""
+    text = str(e)
+    return isinstance(e, (RuntimeError, OSError)) and any(m in text for m in LOST_PEER)
+
+
 def _on_sigterm(signum, frame):
     world, rank = _world()
     print(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job failed "
@@ -90,6 +101,15 @@ def entry(main):
             if debug():
                 traceback.print_exc()
             code, line = report(e)
+            if world > 1 and _lost_peer(e):
+                # another rank failed first and its error is the one to show: the launcher names
+                # the first failed rank it sees, so give it time to see that one and stop this
+                # one (SIGTERM: _on_sigterm); leave by ourselves only if that does not come
+                _release()
+                time.sleep(5)
+                line = (f"error: rank {_world()[1]} of {world} lost the connection to another rank "
+                        "of this job, which failed or was stopped first (its error is in its log)")
+                code = 2
             print(line, file=sys.stderr, flush=True)
             if world > 1:   # the peers may wait in a collective for this rank: end it now
                 sys.stdout.flush()

@@ -58,17 +58,21 @@ def check_writable(path, key="output_dir"):
     if os.path.exists(p) and not os.path.isdir(p):
         raise OutputDirError(f"{key}={path!r} is a file, not a directory; give a new directory "
                              "(or the directory of an earlier run to resume it)")
+    _test_write(p, f"{key}={path!r}")
+
+
+def _test_write(p, what):
     probe = _existing_ancestor(p)
     if not os.path.isdir(probe):
-        raise OutputDirError(f"{key}={path!r} cannot be created: {probe} is a file")
+        raise OutputDirError(f"{what} cannot be created: {probe} is a file")
     try:
         fd, name = tempfile.mkstemp(prefix=".paddletune-write-test-", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
         where = "" if probe == p else f" (it would be created in {probe})"
-        raise OutputDirError(f"{key}={path!r} is not writable{where}: {e.strerror}; choose a "
-                             "directory you can write to, or fix its permissions") from None
+        raise OutputDirError(f"{what} is not writable{where}: {e.strerror}; choose a place you "
+                             "can write to, or fix its permissions") from None
 
 
 def check_writable_file(path, key):
@@ -77,7 +81,7 @@ def check_writable_file(path, key):
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.access(p, os.W_OK):
         raise OutputDirError(f"{key}={path!r} exists and is not writable; choose another file")
-    check_writable(os.path.dirname(p), f"the directory of {key}")
+    _test_write(os.path.dirname(p), f"{key}={path!r}")
 
 
 def free_bytes(path):
