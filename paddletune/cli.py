@@ -66,7 +66,8 @@ LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 def _lost_peer(e):
     """A collective that failed because another rank went away (it failed first)."""
     text = str(e)
-    return isinstance(e, (RuntimeError, OSError)) and any(m in text for m in LOST_PEER)
+    return isinstance(e, (RuntimeError, OSError)) and (
+        any(m in text for m in LOST_PEER) or "gloo/transport" in text)   # gloo: reset, TIMEOUT
 
 
 def _on_sigterm(signum, frame):
