@@ -75,6 +75,21 @@ def test_checkpoint_checksums_and_changed_arguments(ft, data, tmp_path, monkeypa
         assert f"checkpoint-2/{name} is not the file that was saved" in lines[0]
         assert f"the previous complete checkpoint is {bad}/checkpoint-1" in lines[0]
         assert not loaded and listing(bad) == before
+    # checkpoints without checksums (older versions): non-finite weights are still refused
+    old = tmp_path / "old-version"
+    shutil.copytree(out, old)
+    index = json.load(open(old / "checkpoint-2" / "shards.json"))
+    del index["files"]
+    (old / "checkpoint-2" / "shards.json").write_text(json.dumps(index))
+    from paddletune.models.hf import SafetensorsFile, write_safetensors
+
+    st = SafetensorsFile(str(old / "checkpoint-2" / "model_state-00000.safetensors"))
+    tensors = {k: st.get(k) for k in st.keys()}
+    tensors["model.norm.weight"][0] = np.inf
+    write_safetensors(str(old / "checkpoint-2" / "model_state-00000.safetensors"), tensors)
+    code, err, _ = run(ft, capsys, old, data[0], "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1")
+    assert code == 2 and "tensor model.norm.weight holds 1 non-finite values" in err, err[-2000:]
+    assert not (old / "checkpoint-3").exists()
     # the RNG check itself (checkpoints without checksums: older versions, or a rewritten shards.json)
     from paddletune.trainer import checkpoint as ckpt
 

@@ -23,6 +23,7 @@ import paddle
 from .. import outdir, parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
+from ..models import check_finite
 from ..models.loss import lm_loss_for
 from . import checkpoint as ckpt
 from .optim import AdamW, lr_at
@@ -510,7 +511,7 @@ class Trainer:
                 want = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, want))
             if reader.global_shape(n) != want:
                 raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
-            self._local(p).set_value(self._read_local(reader, n, p))
+            self._local(p).set_value(check_finite(self._read_local(reader, n, p), n, where=path))
 
     def _finish(self):
         a, st = self.args, self.state
