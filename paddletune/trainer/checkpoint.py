@@ -29,9 +29,12 @@ wrote its files), so every directory called checkpoint-N is complete; `latest_ch
 requires trainer_state.json. Before a save, each writing rank checks that the disk has room for
 its files (refused with the bytes needed and free); a disk that fills up during the save leaves
 no partial directory. Bit-rot is caught on resume: a file whose checksum differs from shards.json
-is refused by name, and the previous complete checkpoint is named. Version-1 checkpoints (model_state.safetensors + optimizer.safetensors,
-whole tensors) are still read. No pickle anywhere: safetensors + JSON.
+is refused by name, and the previous complete checkpoint is named. Version-1 checkpoints
+(model_state.safetensors + optimizer.safetensors, whole tensors) are still read. No pickle
+anywhere: safetensors + JSON.
 """
+import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -43,7 +46,10 @@ import paddle
 
 from ..io import _fsync_dir, inside, read_json, write_json
 from ..models.hf import SafetensorsFile, file_digest, write_safetensors
-from ..outdir import check_space, space_error
+from .. import outdir
+from ..outdir import check_space, human, space_error
+
+logger = logging.getLogger("paddletune")
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 # files this process found intact: (path, size, mtime, sha256); a second reader skips the hash
@@ -411,3 +417,38 @@ def clean_temp_dirs(output_dir):
 
 def arrays(named_tensors):
     return {n: np.asarray(t.numpy(), np.float32) for n, t in named_tensors.items()}
+
+
+# ------------------------------------------------------------------------------ run facts
+
+def warn_space(output_dir, saves, limit, trainable_numel):
+    """Warn at the start when the disk cannot hold the checkpoints a run will keep (trainable
+    tensors + two AdamW moments, float32 each), so a full disk is no surprise at step 10000;
+    each save checks its own size again before writing (save_checkpoint)."""
+    kept = min(saves, limit) if limit and limit > 0 else saves
+    one = 3 * 4 * trainable_numel
+    free = outdir.free_bytes(output_dir)
+    if kept > 0 and kept * one > free:
+        logger.warning("%s has %s free, the %d checkpoints this run keeps need about %s (%s each): "
+                       "the disk will fill up; free space, or set save_total_limit / save_steps",
+                       output_dir, human(free), kept, human(kept * one), human(one))
+
+
+def jsonable_args(args):
+    """The run's TrainingArguments as a JSON object (kept in trainer_state.json as "args")."""
+    return {k: v for k, v in dataclasses.asdict(args).items()
+            if v is None or isinstance(v, (bool, int, float, str, list))}
+
+
+def report_changed_args(saved, args, path):
+    """Resuming with other hyperparameters continues with the new ones (PaddleNLP's behaviour);
+    say which changed, so a typo or a stale argument file is seen."""
+    if not isinstance(saved, dict):
+        return
+    now = jsonable_args(args)
+    skip = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
+    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved)
+               if k in now and k not in skip and saved[k] != now[k]]
+    if changed:
+        logger.warning("resuming %s with %d changed argument(s): %s; training continues with the "
+                       "new values", path, len(changed), ", ".join(changed))

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import paddle
 
-from .. import outdir, parallel, runtime
+from .. import parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
 from ..models import check_finite
@@ -197,7 +197,9 @@ class Trainer:
         if a.resume_from_checkpoint:
             self._resume(a.resume_from_checkpoint)
         self._log_start(total)
-        self._warn_space(total)
+        if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
+            ckpt.warn_space(a.output_dir, (total - self.state["global_step"]) // a.save_steps,
+                            a.save_total_limit, sum(int(np.prod(p.shape)) for p in self.trainable.values()))
         self.model.train()
         bar = self._progress(total)
         st = self.state
@@ -292,23 +294,6 @@ class Trainer:
                         self.topo.data_degree, self.global_batch())
             logger.info("  optimizer steps = %d (starting at %d)", total, self.state["global_step"])
             logger.info("trainable params: {:,} / {:,} ({:.2%})".format(n_train, n_all, n_train / max(n_all, 1)))
-
-    def _warn_space(self, total):
-        """Warn at the start when the disk cannot hold the checkpoints this run will keep (the
-        trainable tensors and two AdamW moments, float32), so a full disk is no surprise at
-        step 10000; each save checks its own size again before writing (checkpoint.py)."""
-        a = self.args
-        if a.save_strategy != "steps" or not self.main:
-            return
-        saves = (total - self.state["global_step"]) // a.save_steps
-        kept = min(saves, a.save_total_limit) if a.save_total_limit and a.save_total_limit > 0 else saves
-        one = 3 * 4 * sum(int(np.prod(p.shape)) for p in self.trainable.values())
-        free = outdir.free_bytes(a.output_dir)
-        if kept and kept * one > free:
-            logger.warning("%s has %s free, the %d checkpoints this run keeps need about %s (%s each): "
-                           "the disk will fill up; free space, or set save_total_limit / save_steps",
-                           a.output_dir, outdir.human(free), kept, outdir.human(kept * one),
-                           outdir.human(one))
 
     # ---------------------------------------------------------------- eval
     @paddle.no_grad()
@@ -422,7 +407,7 @@ class Trainer:
         model_pieces, optim_pieces, meta = self._pieces()
         state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size,
                      degrees=dict(self.topo.degrees), global_batch=self.global_batch(),
-                     args=_jsonable_args(self.args))
+                     args=ckpt.jsonable_args(self.args))
         if data is not None:
             state["data_state"] = data
         if self.main:
@@ -470,7 +455,9 @@ class Trainer:
         degrees = state.pop("degrees", {"dp": state.get("world_size", 1), "pp": 1, "sharding": 1, "tp": 1})
         state.pop("world_size", None)
         state.pop("global_batch", None)
-        _report_changed_args(state.pop("args", None), self.args, path, self.main)
+        if self.main:
+            ckpt.report_changed_args(state.pop("args", None), self.args, path)
+        state.pop("args", None)
         if degrees == self.topo.degrees:
             ckpt.restore_rng(rngs, self.topo.rank, path)
         else:
@@ -537,25 +524,3 @@ class Trainer:
         if self.main:
             logger.info("model saved to %s", os.path.abspath(a.output_dir))
         self.topo.barrier()
-
-
-def _jsonable_args(args):
-    """The run's TrainingArguments as a JSON object (kept in trainer_state.json)."""
-    import dataclasses
-
-    return {k: v for k, v in dataclasses.asdict(args).items()
-            if v is None or isinstance(v, (bool, int, float, str, list))}
-
-
-def _report_changed_args(saved, args, path, main):
-    """Resuming with other hyperparameters continues with the new ones (PaddleNLP's behaviour);
-    say which changed, so a typo or a stale argument file is seen."""
-    if not saved or not main:
-        return
-    now = _jsonable_args(args)
-    skip = ("resume_from_checkpoint", "output_dir", "overwrite_output_dir")
-    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved)
-               if k in now and k not in skip and saved[k] != now[k]]
-    if changed:
-        logger.warning("resuming %s with %d changed argument(s): %s; training continues with the "
-                       "new values", path, len(changed), ", ".join(changed))
