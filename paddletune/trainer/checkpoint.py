@@ -436,6 +436,8 @@ def warn_space(output_dir, saves, limit, trainable_numel):
 
 def jsonable_args(args):
     """The run's TrainingArguments as a JSON object (kept in trainer_state.json as "args")."""
+    if not dataclasses.is_dataclass(args):
+        return {}
     return {k: v for k, v in dataclasses.asdict(args).items()
             if v is None or isinstance(v, (bool, int, float, str, list))}
 
