@@ -16,18 +16,20 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import paddletune  # noqa: F401
 
-from paddletune import parallel, peft, runtime
+from paddletune import cli, outdir, parallel, peft, runtime
 from paddletune.args import ArgumentError, parse_args
 from paddletune.data import DataError, build_datasets
 from paddletune.data.collate import padding_collate
 from paddletune.data.packing import build_train_source
+from paddletune.data.sft import check_positions
 from paddletune.generation import GenerationConfig, checkpoint_defaults
-from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.models import (check_checkpoint, check_tokenizer, load_config, load_model,
+                               position_limit, resolve_model_path)
 from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
-from paddletune.trainer.checkpoint import resume_path
+from paddletune.trainer.checkpoint import resume_path, verify_checkpoint
 from paddletune.trainer.metrics import generation_eval_fn
 
 
@@ -36,6 +38,8 @@ def prepare(argv=None):
     model_args, data_args, quant_args, gen_args, args = parse_args(argv, warn=lambda m: runtime.warn_once(m, m))
     if not args.do_train and not args.do_eval:
         raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
+    if parallel.world_from_env()[1] == 0:   # rank 0 tests output_dir and locks it for the job
+        outdir.claim(args.output_dir)
     model_path = resolve_model_path(model_args.model_name_or_path)
     spec, config = load_config(model_path)  # config.json readable and of a supported model type
     # the parallel layout: the launched processes factor into the degrees, the model can be cut
@@ -43,14 +47,20 @@ def prepare(argv=None):
     check_layout(spec, config, degrees["tp"])
     check_stages(config, degrees["pp"])
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
+    check_tokenizer(config, tok, model_path)
+    check_checkpoint(model_path, config)   # weight files: headers, names, shapes, dtypes
     explicit = args.resume_from_checkpoint is not None
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)
     if args.resume_from_checkpoint and not explicit:   # PaddleNLP habit: rerunning continues
         runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)",
                             args.resume_from_checkpoint)
+    if args.resume_from_checkpoint:
+        verify_checkpoint(args.resume_from_checkpoint)   # checksums: a damaged file fails here
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
+    check_positions(*position_limit(config), data_args.max_length, (train_ds, dev_ds),
+                    os.path.join(model_path, "config.json"))
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
 
 
@@ -71,6 +81,7 @@ def checkpoint_meta(model_args, model_path):
     return {"base_model": os.path.abspath(model_path), "model_args": dataclasses.asdict(model_args)}
 
 
+@cli.entry   # any later error (loading, resuming, a bad data line, a full disk): one line, exit 2
 def main(argv=None):
     logger = runtime.setup_logging(int(os.environ.get("PADDLE_TRAINER_ID", "0")))
     try:

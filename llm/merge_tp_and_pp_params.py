@@ -25,7 +25,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import paddletune  # noqa: F401
 
-from paddletune import runtime
+from paddletune import cli, runtime
 
 
 def parse(argv=None):
@@ -49,6 +49,7 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+@cli.entry   # errors anywhere below: one `error:` line, exit 2 (PADDLETUNE_DEBUG=1: traceback)
 def main(argv=None):
     runtime.setup_logging()
     a = parse(argv)

@@ -32,7 +32,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import paddletune  # noqa: F401
 
-from paddletune import runtime
+from paddletune import cli, runtime
 from paddletune.args import ArgumentError, F, _convert, read_argv
 from paddletune.data.sft import DataError, read_json_lines
 
@@ -135,7 +135,8 @@ def conversation_of(src, tgt):
 def check(a):
     """Everything that can be checked without the model; returns (model dir, tokenizer, rows)."""
     from paddletune.generation import GenerationConfig
-    from paddletune.models import load_config, resolve_model_path
+    from paddletune.models import check_checkpoint, check_tokenizer, load_config, resolve_model_path
+    from paddletune.outdir import check_writable_file
     from paddletune.tokenizer import load_tokenizer
 
     if not a.model_name_or_path:
@@ -160,9 +161,13 @@ def check(a):
         raise ArgumentError("device=gpu but paddle sees no GPU here; use --device cpu (or auto)")
     if a.output_file and os.path.isdir(a.output_file):
         raise ArgumentError(f"output_file={a.output_file!r} is a directory; give a file name")
+    if a.output_file:   # a test write now, not a lost generation run at the end
+        check_writable_file(a.output_file, "output_file")
     path = resolve_model_path(a.model_name_or_path)
-    spec, _ = load_config(path)
+    spec, config = load_config(path)
     tok = load_tokenizer(a.tokenizer_name_or_path or path)
+    check_tokenizer(config, tok, path)
+    check_checkpoint(path, config)
     t = a.chat_template
     if t is not None and os.path.isdir(t):   # PaddleNLP: a directory holding chat_template.json
         t = os.path.join(t, "chat_template.json")
@@ -252,6 +257,7 @@ def predict(a, model, tok, cfg, rows):
     return records, tokens, seconds
 
 
+@cli.entry   # errors anywhere below: one `error:` line, exit 2 (PADDLETUNE_DEBUG=1: traceback)
 def main(argv=None, stdin=None, stdout=None):
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     runtime.setup_logging()

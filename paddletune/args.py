@@ -95,6 +95,7 @@ class DataArgument:
     pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
     pad_to_max_length: bool = F(False, "pad every batch to max_length")
     lazy: bool = F(False, "stream the train JSON lines without loading them (file order, needs max_steps; dev data is loaded)")
+    skip_invalid_lines: bool = F(False, "skip (and log, with a count) data lines that are not valid JSON or not a usable example, instead of stopping; for large streamed (lazy) files")
     chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
     eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")
     save_generation_output: bool = F(False, "write generated_output.json during generation eval")
@@ -335,8 +336,8 @@ def read_argv(argv, is_bool_key):
             raise ArgumentError(f"argument file not found: {path} (working directory {os.getcwd()})")
         try:
             with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except json.JSONDecodeError as e:
+                data = json.load(fh, object_pairs_hook=_no_duplicate_keys(path))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ArgumentError(f"{path}: not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ArgumentError(f"{path}: must hold one JSON object of key: value pairs")
@@ -360,6 +361,20 @@ def read_argv(argv, is_bool_key):
                 i += 2
         values[k], sources[k] = v, "command line"
     return values, sources
+
+
+def _no_duplicate_keys(path):
+    """json object_pairs_hook: a key given twice in one object is an error (json keeps the last
+    silently, so the first line a reader sees would not be the value used)."""
+    def hook(pairs):
+        seen = {}
+        for k, v in pairs:
+            if k in seen:
+                raise ArgumentError(f"{path}: key '{k}' is given twice ({json.dumps(seen[k])} and "
+                                    f"{json.dumps(v)}); keep one")
+            seen[k] = v
+        return seen
+    return hook
 
 
 def _is_bool_key(k):
@@ -442,7 +457,9 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     def err(key, msg):
         raise ArgumentError(f"{sources.get(key, 'arguments')}: '{key}' {msg}")
 
+    _check_numbers((model_args, data_args, quant_args, gen_args, args), err)
     _check_training(model_args, data_args, args, err)
+    _check_optimizer(args, err)
     _check_peft(model_args, err)
     _check_best_model(data_args, args, err)
     _check_device(model_args, args, err, warn)
@@ -452,6 +469,47 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_pipeline_config(args, warn)
     _check_generation(data_args, gen_args, args, err)
     _check_data(model_args, data_args, args, err, warn)
+
+
+def _check_numbers(objs, err):
+    """null where a value is needed (a key whose default is not null) and NaN / Infinity (JSON
+    allows neither, python's parser takes both) are refused for every key."""
+    import math
+
+    for obj in objs:
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is None and f.default is not None and f.default is not dataclasses.MISSING \
+                    and "Optional" not in str(f.type):
+                err(f.name, f"must be {_type_of(f).__name__}, got null (remove the key for the "
+                    f"default, {json.dumps(f.default)})")
+            if isinstance(v, float) and not math.isfinite(v):
+                err(f.name, f"must be a finite number, got {v}")
+
+
+def _check_optimizer(args, err):
+    """AdamW and schedule settings that are accepted by no optimizer: each would train silently
+    wrong (beta >= 1 never forgets, a negative norm clips everything, ...)."""
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, key) < 1:
+            err(key, f"must be in [0, 1), got {getattr(args, key)}")
+    for key, ok, rule in (("adam_epsilon", args.adam_epsilon > 0, "> 0"),
+                          ("weight_decay", args.weight_decay >= 0, ">= 0"),
+                          ("warmup_steps", args.warmup_steps >= 0, ">= 0"),
+                          ("max_grad_norm", args.max_grad_norm >= 0, ">= 0 (0 disables clipping)"),
+                          ("min_lr", args.min_lr >= 0, ">= 0")):
+        if not ok:
+            err(key, f"must be {rule}, got {getattr(args, key)}")
+    if args.eval_steps is not None and args.eval_steps <= 0:
+        err("eval_steps", f"must be positive (or unset: logging_steps), got {args.eval_steps}")
+    if args.save_total_limit is not None and args.save_total_limit < 0:
+        err("save_total_limit", f"must be >= 0 (or unset: keep all), got {args.save_total_limit}")
+    if args.max_steps < -1:
+        err("max_steps", f"must be > 0 (that many steps) or -1 (train num_train_epochs), got "
+            f"{args.max_steps}")
+    if args.do_train and args.max_steps <= 0 and args.num_train_epochs <= 0:
+        err("num_train_epochs", f"must be > 0 when max_steps is not set, got {args.num_train_epochs}: "
+            "nothing would be trained (set max_steps or num_train_epochs)")
 
 
 def _check_training(model_args, data_args, args, err):

@@ -60,16 +60,27 @@ class Tokenizer:
             from tokenizers import Tokenizer as _Tok
 
             self.backend = "tokenizers"
-            self._tok = _Tok.from_file(tj)
-            for t in json.load(open(tj, encoding="utf-8")).get("added_tokens", []):
-                self.added[t["content"]] = t["id"]
-                if t.get("special"):
-                    self.special_ids.add(t["id"])
+            try:
+                with open(tj, encoding="utf-8") as f:
+                    added = json.load(f).get("added_tokens") or []
+                self._tok = _Tok.from_file(tj)
+                for t in added:
+                    self.added[t["content"]] = t["id"]
+                    if t.get("special"):
+                        self.special_ids.add(t["id"])
+            except Exception as e:   # tokenizers raises its own Exception type on a bad file
+                raise ValueError(f"{tj} cannot be read as a tokenizer ({str(e)[:200] or type(e).__name__}): "
+                                 "the file is damaged or not a Hugging Face tokenizer.json; copy "
+                                 "it again from the checkpoint") from None
         elif os.path.exists(tm):
             import sentencepiece as spm
 
             self.backend = "sentencepiece"
-            self._sp = spm.SentencePieceProcessor(model_file=tm)
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=tm)
+            except Exception as e:   # sentencepiece raises RuntimeError/OSError on a bad model
+                raise ValueError(f"{tm} cannot be read as a sentencepiece model ({str(e)[:200]}): "
+                                 "the file is damaged; copy it again from the checkpoint") from None
             for sid, t in (self.config.get("added_tokens_decoder") or {}).items():
                 self.added[t["content"]] = int(sid)
                 if t.get("special", True):
@@ -113,7 +124,10 @@ class Tokenizer:
     # ------------------------------------------------------------------ files
     def _read_optional(self, name):
         p = os.path.join(self.path, name)
-        return read_json(p) if os.path.exists(p) else {}
+        d = read_json(p) if os.path.exists(p) else {}
+        if not isinstance(d, dict):
+            raise ValueError(f"{p}: must hold one JSON object")
+        return d
 
     def _load_chat_template(self):
         t = self.config.get("chat_template")

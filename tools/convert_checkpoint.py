@@ -16,7 +16,10 @@
 - PaddleNLP lora_model_state.pdparams + lora_config.json -> HF-PEFT adapter
   (adapter_config.json + adapter_model.safetensors): lora_A [in, r] -> lora_A.weight [r, in],
   lora_B [r, out] -> lora_B.weight [out, r]; scale alpha/r (alpha/sqrt(r) with rslora) kept.
-paddle.load unpickles arbitrary objects: use the .pdparams routes only on files you trust.
+Pickles are never given a free hand: .pdparams files are read by a restricted unpickler that
+admits only what paddle's saver writes (numpy arrays and dtypes, dicts, lists, strings, numbers)
+and refuses any other class or function by name before it is called (a hostile file cannot run
+code); .bin files go through torch.load(weights_only=True), whose refusal is reported the same way.
 The output directory appears only when complete, and is checked against the model's own
 parameter names and shapes before it appears.
 """
@@ -26,13 +29,16 @@ import glob
 import itertools
 import math
 import os
+import pickle
+import re
 import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-from paddletune.io import atomic_dir, read_json, write_json  # noqa: E402
+from paddletune import cli  # noqa: E402
+from paddletune.io import atomic_dir, inside, read_json, write_json  # noqa: E402
 from paddletune.models import build_model, get_spec, hf  # noqa: E402
 from paddletune.models.spec import conversion_fixups  # noqa: E402
 from paddletune.models import paddlenlp as pnlp  # noqa: E402
@@ -53,11 +59,15 @@ def shard_files(src, base, ext):
     `base`-*.`ext` (sorted)."""
     index = os.path.join(src, f"{base}.{ext}.index.json")
     if os.path.exists(index):
-        names = sorted(set(read_json(index, "index")["weight_map"].values()))
-        missing = [n for n in names if not os.path.exists(os.path.join(src, n))]
+        wm = read_json(index, "index")
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict):
+            raise ConvertError(f"{index}: has no \"weight_map\" object (tensor name -> file)")
+        paths = [inside(src, n, index) for n in sorted(set(wm.values()))]
+        missing = [p for p in paths if not os.path.exists(p)]
         if missing:
-            raise ConvertError(f"{index} names {missing[0]}, which is missing from {src}")
-        return [os.path.join(src, n) for n in names]
+            raise ConvertError(f"{index} names {os.path.basename(missing[0])}, which is missing from {src}")
+        return paths
     single = os.path.join(src, f"{base}.{ext}")
     return [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(src, f"{base}-*.{ext}")))
 
@@ -71,26 +81,79 @@ def torch_tensors(files):
                            "enough); it is used by this tool only") from None
     for path in files:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:   # legacy (non-zip) serialisation cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:   # legacy (non-zip) serialisation cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            what = f"the object {found.group(1)}" if found else "objects other than tensors"
+            raise ConvertError(f"{path} holds {what}, not only tensors: it was refused before "
+                               "anything in it ran. Loading it in full would run code from the "
+                               "file; get the weights as safetensors (or a plain tensor file) from "
+                               "a source you trust") from None
+        if not isinstance(state, dict):
+            raise ConvertError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
         for name, t in state.items():
             dt = str(t.dtype).replace("torch.", "")
             yield name, (t.float() if dt == "bfloat16" else t).contiguous().numpy(), dt
         del state
 
 
-def paddle_tensors(files):
-    """(name, np.ndarray, dtype name) from .pdparams files (paddle.load unpickles)."""
-    import paddle
+class PaddleUnpickler(pickle.Unpickler):
+    """Unpickles only what paddle.save writes for a state dict: numpy arrays (rebuilt from their
+    dtype, shape and bytes), dicts, lists, tuples, strings and numbers. Every other global a
+    pickle names (os.system, builtins.eval, any class) is refused here, before it is called."""
 
+    ALLOWED = {("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+               ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("collections", "OrderedDict"),
+               ("builtins", "tuple")}
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise ConvertError(f"{self.path} asks to run {module}.{name} while loading, which "
+                               "paddle's saver never writes: refused before it ran (a hostile or "
+                               "foreign file). Only tensors and plain containers are read")
+        return super().find_class(module, name)
+
+
+def load_pdparams(path):
+    """{name: np.ndarray} of a .pdparams state dict, read without running code (see above)."""
+    with open(path, "rb") as f:
+        try:
+            state = PaddleUnpickler(f, path).load()
+        except ConvertError:
+            raise
+        except Exception as e:   # truncated or not a pickle at all
+            raise ConvertError(f"{path} cannot be read as a paddle state dict ({type(e).__name__}: "
+                               f"{str(e)[:120]}); damaged or truncated?") from None
+    if not isinstance(state, dict):
+        raise ConvertError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
+    out = {}
+    for name, v in state.items():
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind not in "biuf":
+                raise ConvertError(f"{path}: {name} is an array of {v.dtype}, not numbers")
+            out[name] = v
+        elif not (isinstance(name, str) and name.endswith("@@")):   # paddle's own bookkeeping
+            raise ConvertError(f"{path}: {name!r} holds a {type(v).__name__}, not a tensor")
+    return out
+
+
+def paddle_tensors(files):
+    """(name, np.ndarray, dtype name) from .pdparams files: paddle stores bfloat16 as uint16."""
     for path in files:
-        state = paddle.load(path)
-        for name, t in state.items():
-            if not isinstance(t, paddle.Tensor):
-                t = paddle.to_tensor(np.asarray(t))
-            dt = str(t.dtype).replace("paddle.", "")
-            yield name, (t.astype("float32") if dt == "bfloat16" else t).numpy(), dt
+        state = load_pdparams(path)
+        for name, arr in state.items():
+            if arr.dtype == np.uint16:
+                yield name, hf.bf16_to_f32(arr), "bfloat16"
+            else:
+                yield name, arr, str(arr.dtype)
         del state
 
 
@@ -220,6 +283,7 @@ def convert_lora(files, conf, args, tmp):
     return len(tensors), dtype, scale
 
 
+@cli.entry   # errors anywhere below: one `error:` line, exit 2
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", required=True, help="directory with the pickled checkpoint")
@@ -237,8 +301,8 @@ def main(argv=None):
     try:
         kind, files, conf = plan(args.input, args)
         if kind in ("bin", "pdparams", "lora"):
-            what = "torch.load(weights_only=True)" if kind == "bin" else "paddle.load, which unpickles"
-            warn(f"reading {len(files)} pickle file(s) with {what}: convert only files you trust")
+            what = "torch.load(weights_only=True)" if kind == "bin" else "a restricted unpickler"
+            warn(f"reading {len(files)} pickle file(s) with {what} (tensors and plain containers only)")
         with atomic_dir(args.output) as tmp:
             if kind == "lora":
                 n, dtype, scale = convert_lora(files, conf, args, tmp)

@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from paddletune import cli  # noqa: E402
 from paddletune.models import registered_types  # noqa: E402
 from paddletune.models.tiny import ASSETS, BUILTIN, make_tiny_checkpoint  # noqa: E402
 
@@ -27,6 +28,7 @@ def default_tokenizer(model_type):
     return os.path.join(ASSETS, "tiny-tokenizer")
 
 
+@cli.entry   # errors: one `error:` line, exit 2
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model_type", help=f"one of {registered_types()}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from .collate import pad_batch
 from .packing import GREEDY_BUFFER, collate_packed, pack
-from .sft import DataError, parse_json_line, read_json_lines
+from .sft import DataError, LineSkipper, parse_json_line, read_json_lines
 
 CHUNK = GREEDY_BUFFER
 logger = logging.getLogger("paddletune")
@@ -30,14 +30,17 @@ logger = logging.getLogger("paddletune")
 class LazyDataset:
     """Train files + the example builder; rows are tokenised when read. No __len__."""
 
-    def __init__(self, files, builder, check_lines=8):
+    def __init__(self, files, builder, check_lines=8, skip_invalid_lines=False):
         self.files = list(files)
         self.sizes = [os.path.getsize(f) for f in self.files]
         self.builder = builder
+        self.skipper = LineSkipper(skip_invalid_lines)
         self.total = sum(self.sizes)
         if self.total == 0:
             raise DataError(f"train data is empty ({', '.join(self.files)})")
         for path in self.files:   # fail early on a malformed head, before any work
+            if skip_invalid_lines:    # (bad lines are skipped and counted when streamed)
+                continue
             for n, (lineno, row) in enumerate(read_json_lines(path)):
                 builder(row, f"{path}:{lineno}")
                 if n + 1 >= check_lines:
@@ -68,7 +71,9 @@ class LazyDataset:
                     if not line:
                         break
                     if line.strip():
-                        out.append(self._example(line, path, base + pos))
+                        ex = self._example(line, path, base, pos)
+                        if ex is not None:
+                            out.append(ex)
                     pos += len(line)
                 at = base + pos
             base += size
@@ -76,11 +81,35 @@ class LazyDataset:
                 break
         return out, max(at, start)
 
-    def _example(self, line, path, offset):
-        where = f"{path} (line at byte {offset})"
-        ex = self.builder(parse_json_line(line, where), where)
-        ex["id"] = offset
+    def _example(self, line, path, base, pos):
+        """The example of the line at byte `pos` of `path` (global offset base + pos), or None
+        when it is invalid and skip_invalid_lines is on. Errors name the file and line number
+        (counted only then: the stream itself keeps byte offsets)."""
+        try:
+            ex = self.builder(parse_json_line(line, path), path)
+        except DataError:
+            where = f"{path}:{line_number(path, pos)}"
+            try:
+                self.builder(parse_json_line(line, where), where)
+            except DataError as e:
+                self.skipper.skip(e)
+                return None
+            raise   # not reproducible with the line number: the first message stands
+        ex["id"] = base + pos
         return ex
+
+
+def line_number(path, offset, chunk=1 << 20):
+    """1-based number of the line starting at byte `offset` of `path`."""
+    n, done = 1, 0
+    with open(path, "rb") as f:
+        while done < offset:
+            block = f.read(min(chunk, offset - done))
+            if not block:
+                break
+            n += block.count(b"\n")
+            done += len(block)
+    return n
 
 
 class LazySource:

@@ -24,7 +24,9 @@ e.g. src "a b c d e" -> [BOS, c, d, e]; tgt "x y" -> [x, y, EOS]; labels [-100 x
 """
 import glob
 import json
+import logging
 import os
+import re
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from .chat_template import (ChatTemplateError, encode_segments, normalize_conver
                             template_context, template_for)
 
 IGNORE = -100
+logger = logging.getLogger("paddletune")
 
 
 class DataError(ValueError):
@@ -57,23 +60,69 @@ def split_files(root, split):
     return sorted(glob.glob(os.path.join(root, split, "*.json")) + glob.glob(os.path.join(root, split, "*.jsonl")))
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json_line(line, where):
-    """One JSON-lines row as a dict; DataError naming `where` (file:line) otherwise."""
+    """One JSON-lines row (str, or bytes that must be UTF-8) as a dict; DataError naming `where`
+    (file:line) otherwise: not UTF-8, not JSON, not an object, or text with a lone surrogate
+    escape ("\\ud800": JSON allows it, no tokenizer can encode it)."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
+                            f"{e.start + 1}); save the file as UTF-8") from None
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+    if _SURROGATE.search(line):
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: the text holds a lone surrogate escape ({e.object[e.start]!r}: "
+                            "half of a UTF-16 pair, not a character); fix or remove the line") from None
     return row
 
 
 def read_json_lines(path):
-    """Yield (line_number, dict) for each non-empty line; a malformed line raises DataError."""
-    with open(path, encoding="utf-8") as f:
+    """Yield (line_number, dict) for each non-empty line; a malformed line raises DataError
+    naming the file and the line."""
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):   # a UTF-8 byte-order mark
+                line = line[3:]
             if line.strip():
                 yield lineno, parse_json_line(line, f"{path}:{lineno}")
+
+
+class LineSkipper:
+    """skip_invalid_lines: a bad line is logged and skipped instead of stopping the run; the
+    count so far is in every message (and `count`)."""
+
+    def __init__(self, enabled, split="train"):
+        self.enabled, self.split, self.count = enabled, split, 0
+
+    def skip(self, error):
+        """Raise `error` (a DataError) unless skipping is on; else log it and count it."""
+        if not self.enabled:
+            raise error
+        self.count += 1
+        if self.count <= 20 or self.count % 100 == 0:
+            logger.warning("skip_invalid_lines: skipped %s (%d %s line(s) skipped so far)", error,
+                           self.count, self.split)
+
+
+def target_text(row):
+    """The text a row trains on (every answer), to find rows with nothing to learn."""
+    if "messages" in row and isinstance(row["messages"], list):
+        return "".join(str(m.get("content") or "") for m in row["messages"]
+                       if isinstance(m, dict) and m.get("role") == "assistant")
+    tgt = row.get("tgt")
+    return "".join(tgt) if isinstance(tgt, list) else str(tgt or "")
 
 
 def messages_of(row, where, template):
@@ -279,14 +328,34 @@ def load_split(root, split, tok, data_args, required=True, builder=None):
             raise DataError(f"no {split} data in {root}: expected {split}.json or {split}/*.json")
         return None
     builder = builder or ExampleBuilder(tok, data_args)
-    examples = []
+    skipper = LineSkipper(getattr(data_args, "skip_invalid_lines", False), split)
+    examples, empty = [], []
     for path in files:
-        for lineno, row in read_json_lines(path):
-            ex = builder(row, f"{path}:{lineno}")
+        lines = read_json_lines(path)
+        while True:
+            try:
+                lineno, row = next(lines)
+                ex = builder(row, f"{path}:{lineno}")
+            except StopIteration:
+                break
+            except DataError as e:
+                skipper.skip(e)
+                continue
+            if not target_text(row).strip():
+                empty.append(f"{path}:{lineno}")
             ex["id"] = len(examples)
             examples.append(ex)
     if not examples:
         raise DataError(f"{split} data in {root} is empty ({', '.join(files)})")
+    if len(empty) == len(examples):
+        raise DataError(f"{split} data in {root}: all {len(examples)} rows have an empty target "
+                        f"(\"tgt\" or the assistant messages, e.g. {empty[0]}): the model would learn "
+                        "only to stop at once; check the files' keys and contents")
+    if empty:
+        logger.warning("%s data: %d of %d rows have an empty target (first: %s)", split, len(empty),
+                       len(examples), empty[0])
+    if skipper.count:
+        logger.warning("%s data: %d invalid line(s) skipped (skip_invalid_lines)", split, skipper.count)
     return SFTDataset(examples, files)
 
 
@@ -305,8 +374,28 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
         files = split_files(root, "train")
         if not files:
             raise DataError(f"no train data in {root}: expected train.json or train/*.json")
-        train = LazyDataset(files, builder)
+        train = LazyDataset(files, builder, skip_invalid_lines=getattr(data_args, "skip_invalid_lines", False))
     else:
         train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
     dev = load_split(root, "dev", tok, data_args, required=do_eval, builder=builder) if do_eval else None
     return train, dev
+
+
+def check_positions(limit, scaled, max_length, datasets, config_file):
+    """max_length beyond the `limit` positions the model was trained for (max_position_embeddings
+    in `config_file`): refused when an example is longer than `limit` and config.json sets no rope
+    scaling (positions the model never saw), warned otherwise (streamed data: lengths unknown)."""
+    if not limit or max_length <= limit:
+        return
+    lengths = [len(e["input_ids"]) for ds in datasets if isinstance(ds, SFTDataset) for e in ds.examples]
+    longest = max(lengths) if lengths else None
+    if longest is not None and longest > limit and not scaled:
+        raise DataError(f"max_length={max_length} lets examples of up to {longest} tokens through, "
+                        f"beyond the {limit} positions the model was trained for "
+                        f"(max_position_embeddings in {config_file}), and config.json sets no rope "
+                        f"scaling: lower max_length to {limit}, or add rope_scaling to config.json")
+    logger.warning("max_length=%d is beyond the model's %d positions (max_position_embeddings in %s)%s",
+                   max_length, limit, config_file,
+                   ": rope scaling stretches them" if scaled else
+                   f"; the examples read so far fit ({longest} tokens at most)" if longest else
+                   "; a streamed example longer than that would use positions the model never saw")

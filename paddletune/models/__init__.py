@@ -17,6 +17,7 @@ from .spec import ModelSpec, get_spec, registered_types  # noqa: F401
 logger = logging.getLogger("paddletune")
 
 BUILTIN_MODELS = ("paddletune/tiny-llama", "paddletune/tiny-qwen2", "paddletune/tiny-chatglm2")
+FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 
 
 def resolve_model_path(name_or_path, key="model_name_or_path"):
@@ -36,13 +37,59 @@ def resolve_model_path(name_or_path, key="model_name_or_path"):
         f"local path, or use a built-in model: {', '.join(BUILTIN_MODELS)}")
 
 
+# config.json keys that hold sizes (positive integers; null where HF allows it) or real numbers
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+             "num_layers", "ffn_hidden_size", "padded_vocab_size", "multi_query_group_num",
+             "kv_channels", "seq_length")
+REAL_KEYS = ("rms_norm_eps", "layernorm_epsilon", "initializer_range", "rope_theta", "rope_ratio",
+             "attention_dropout", "hidden_dropout")
+
+
 def load_config(path):
-    """(spec, config) from path/config.json."""
-    d = read_json(os.path.join(path, "config.json"), "config.json")
+    """(spec, config) from path/config.json. A missing key, or a string where a number belongs,
+    is one error naming the file and the key."""
+    where = os.path.join(path, "config.json")
+    d = read_json(where, "config.json")
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: must hold one JSON object")
     if "model_type" not in d:
-        raise ValueError(f"{path}/config.json has no 'model_type'; supported: {registered_types()}")
+        raise ValueError(f"{where} has no 'model_type'; supported: {registered_types()}")
+    for key in SIZE_KEYS:
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{where}: '{key}' must be a positive integer, got {v!r}")
+    for key in REAL_KEYS:
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not np.isfinite(v)):
+            raise ValueError(f"{where}: '{key}' must be a finite number, got {v!r}")
     spec = get_spec(d["model_type"])
-    return spec, spec.config_cls.from_dict(d)
+    try:
+        return spec, spec.config_cls.from_dict(d)
+    except KeyError as e:
+        raise ValueError(f"{where} lacks {e}, which a {d['model_type']} model needs; is it the "
+                         "config.json of a complete checkpoint?") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: a value has the wrong type ({e})") from None
+
+
+def check_tokenizer(config, tok, model_path):
+    """The tokenizer's ids must index the model's embedding: a tokenizer with more tokens than
+    the model's vocab_size would fail (or read past the table) at the first rare token."""
+    if len(tok) > config.vocab_size:
+        raise ValueError(f"the tokenizer in {tok.path} has {len(tok)} tokens, more than the "
+                         f"vocab_size {config.vocab_size} of the model in {model_path}/config.json: "
+                         "they do not belong together (pass tokenizer_name_or_path of the model's "
+                         "own tokenizer, or resize the model's embeddings first)")
+
+
+def position_limit(config):
+    """(positions the model was trained for, whether config.json sets a rope scaling that
+    stretches them): max_position_embeddings (ChatGLM: seq_length); rope_scaling or a rope_ratio."""
+    raw = getattr(config, "raw", {}) or {}
+    scaled = bool(raw.get("rope_scaling")) or raw.get("rope_ratio", 1) not in (1, None)
+    return getattr(config, "max_position_embeddings", None), scaled
 
 
 def build_model(config, seed=None):
@@ -67,6 +114,12 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. "
                          f"{missing[:3]}; is config.json from the same model?")
+    for name in list(params) + list(quantized):
+        code = reader.dtype(name) if hasattr(reader, "dtype") else "F32"
+        if code not in FLOAT_CODES:
+            raise ValueError(f"{reader.file_of(name)}: tensor {name} is stored as {code}, but it is a "
+                             "floating-point weight of the model: refusing to load integers as "
+                             "float (a quantized or foreign checkpoint? convert it to float first)")
     for name, p in params.items():
         shape = hf.paddle_shape(spec, name, reader.shape(name))
         expect = list(p.shape)
@@ -77,6 +130,18 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
         if reader.shape(name) != [m.out_features, m.in_features]:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
+
+
+def check_checkpoint(path, config=None):
+    """Headers only, nothing loaded: every weight file of the checkpoint at `path` is readable
+    (safetensors headers against the file sizes, index entries inside the directory) and holds
+    every tensor the model of `config` (default: path/config.json) needs, with its shape and a
+    floating-point dtype. The scripts run it before any work, so a truncated download or a
+    hostile index fails before the model is built."""
+    spec, config = load_config(path) if config is None else (get_spec(config.model_type), config)
+    model = build_model(config)   # lazy: parameters have shapes, no memory
+    reader = hf.CheckpointReader(path)
+    check_checkpoint_shapes(model, path, spec, reader, dict(model.named_parameters()), {})
 
 
 def load_weights(model, path, spec=None, reader=None, params=None, only=None):
@@ -97,10 +162,11 @@ def load_weights(model, path, spec=None, reader=None, params=None, only=None):
         quantized = {n: m for n, m in quantized.items() if only(n)}
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
-        p.set_value(hf.read_slice(reader, spec, name).astype(np.float32, copy=False))
+        p.set_value(check_finite(hf.read_slice(reader, spec, name).astype(np.float32, copy=False),
+                                 name, reader))
         _unmap(reader, name)
     for name, m in quantized.items():
-        m.set_weight(reader.get(name))
+        m.set_weight(check_finite(reader.get(name), name, reader))
         _unmap(reader, name)
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
     extra = [k for k in reader.keys() if k not in params and k not in quantized
@@ -108,6 +174,18 @@ def load_weights(model, path, spec=None, reader=None, params=None, only=None):
     if extra and only is None:   # (a pipeline stage reads its own part only)
         logger.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(extra), extra[:3])
     return model
+
+
+def check_finite(arr, name, reader=None, where=None):
+    """`arr` unchanged, or an error naming the tensor and file when it holds NaN or Inf (a
+    damaged file, or weights saved after training diverged): refused at load, not at step 1."""
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        bad = int(arr.size - np.isfinite(arr).sum())
+        where = where or (reader.file_of(name) if hasattr(reader, "file_of") else "checkpoint")
+        raise ValueError(f"{where}: tensor {name} holds {bad} non-finite values (NaN or Inf) of "
+                         f"{arr.size}: the file is damaged, or was saved after training diverged; "
+                         "use an earlier checkpoint")
+    return arr
 
 
 def _unmap(reader, name):

@@ -14,13 +14,14 @@ time (or one slice at a time, for tensor parallelism) and bf16/fp16 checkpoints 
 torch. Pickle formats (.bin, .pdparams) are refused; tools/convert_checkpoint.py converts them.
 """
 import glob
+import hashlib
 import json
 import os
 import struct
 
 import numpy as np
 
-from ..io import read_json
+from ..io import inside, read_json
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
        "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -42,24 +43,39 @@ def f32_to_bf16(x):
 
 
 class SafetensorsFile:
-    """Lazy reader: header parsed once, tensors copied out of a memory map on request."""
+    """Lazy reader: header parsed once, tensors copied out of a memory map on request.
+
+    The header is checked against the file before any tensor is read: known dtypes, shapes
+    whose byte size matches the tensor's data range, every range inside the file. So a truncated
+    download, a wrong header length or an unknown dtype is one error naming the file and the
+    tensor, not a failed reshape or a MemoryError later."""
+
+    MAX_HEADER = 100 << 20   # the safetensors format's own limit
 
     def __init__(self, path):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise ValueError(f"{path}: not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, self.MAX_HEADER):
+                raise ValueError(f"{path}: not a safetensors file, or truncated: its header length "
+                                 f"says {n} bytes, the file has {size} bytes")
             try:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+        meta = header.pop("__metadata__", None)
+        self.metadata = meta if isinstance(meta, dict) else {}
         self.header = header
         self.offset = 8 + n
+        for name, info in header.items():
+            _check_entry(path, name, info, size - self.offset)
         self._mm = None
-
     def keys(self):
         return list(self.header)
 
@@ -102,9 +118,33 @@ class SafetensorsFile:
         self._mm = None
 
 
+def _check_entry(path, name, info, data_bytes):
+    """One header entry: a known dtype, a shape of naturals, a data range of exactly
+    prod(shape) x itemsize bytes inside the data section (`data_bytes` long)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise ValueError(f"{where}: corrupt header entry {info!r:.80}")
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if code not in _SIZE:
+        raise ValueError(f"{where} has dtype {code!r}, which is not supported here (supported: "
+                         f"{', '.join(_SIZE)})")
+    ints = lambda v, n=None: (isinstance(v, list) and (n is None or len(v) == n) and  # noqa: E731
+                              all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v))
+    if not ints(shape) or not ints(offsets, 2) or offsets[0] > offsets[1]:
+        raise ValueError(f"{where}: corrupt header entry (shape {shape!r}, data_offsets {offsets!r})")
+    need = int(np.prod(shape, dtype=np.int64)) * _SIZE[code]
+    if offsets[1] - offsets[0] != need:
+        raise ValueError(f"{where}: shape {shape} of {code} needs {need} bytes, its data range "
+                         f"holds {offsets[1] - offsets[0]}: corrupt header")
+    if offsets[1] > data_bytes:
+        raise ValueError(f"{where} ends at byte {offsets[1]} of the data, which has {data_bytes} "
+                         "bytes: the file is truncated (an interrupted download or copy?)")
+
+
 def write_safetensors(path, tensors, metadata=None, dtype=None):
     """Write {name: np.ndarray} as safetensors. `dtype` ('float32', 'bfloat16', 'float16') converts
-    floating tensors; others keep their dtype. Tensors are streamed to disk one by one."""
+    floating tensors; others keep their dtype. Tensors are streamed to disk one by one. Returns
+    {"bytes": file size, "sha256": hex digest} of what was written (hashed on the way out)."""
     header, plan, off = {}, [], 0
     for name, arr in tensors.items():
         arr = np.asarray(arr)
@@ -120,15 +160,31 @@ def write_safetensors(path, tensors, metadata=None, dtype=None):
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    digest, size = hashlib.sha256(), 0
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr, code in plan:
-            if code == "BF16":
-                data = f32_to_bf16(arr)
-            else:
-                data = np.ascontiguousarray(arr, dtype=_NP[code])
-            f.write(data.tobytes())
+        for part in _parts(blob, plan):
+            f.write(part)
+            digest.update(part)
+            size += len(part)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _parts(blob, plan):
+    yield struct.pack("<Q", len(blob))
+    yield blob
+    for arr, code in plan:
+        data = f32_to_bf16(arr) if code == "BF16" else np.ascontiguousarray(arr, dtype=_NP[code])
+        yield data.reshape(-1).view(np.uint8).data if data.size else b""
+
+
+def file_digest(path, chunk=1 << 24):
+    """{"bytes", "sha256"} of a file, as write_safetensors returns them for what it wrote."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for part in iter(lambda: f.read(chunk), b""):
+            digest.update(part)
+            size += len(part)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def stream_safetensors(path, header, tensors, metadata=None):
@@ -174,14 +230,19 @@ class CheckpointReader:
         single = os.path.join(path, f"{prefix}.safetensors")
         files = {}
         if os.path.exists(index):
-            wm = read_json(index, "safetensors index")["weight_map"]
+            idx = read_json(index, "safetensors index")
+            wm = idx.get("weight_map") if isinstance(idx, dict) else None
+            if not isinstance(wm, dict):
+                raise ValueError(f"{index}: has no \"weight_map\" object (tensor name -> file)")
             opened = {}
             for name, fn in wm.items():
                 if fn not in opened:
-                    full = os.path.join(path, fn)
+                    full = inside(path, fn, index)
                     if not os.path.exists(full):
                         raise FileNotFoundError(f"{index} names {fn}, which is missing from {path}")
                     opened[fn] = SafetensorsFile(full)
+                if name not in opened[fn].header:
+                    raise ValueError(f"{index} puts tensor {name!r} in {fn}, which does not hold it")
                 files[name] = opened[fn]
         elif os.path.exists(single):
             st = SafetensorsFile(single)
@@ -210,6 +271,12 @@ class CheckpointReader:
 
     def shape(self, name):
         return self.files[name].shape(name)
+
+    def dtype(self, name):
+        return self.files[name].dtype(name)
+
+    def file_of(self, name):
+        return self.files[name].path
 
     def get(self, name, axis=None, start=None, stop=None):
         return self.files[name].get(name, axis, start, stop)

@@ -16,6 +16,7 @@ and torch `peft` loads them as they are. The base layer may be paddle nn.Linear 
 
 Merging (W [in, out] += s * A @ B) happens only when `merge()` is called, never in eval().
 """
+import json
 import logging
 import math
 import os
@@ -195,9 +196,13 @@ def read(path):
     if unsupported:
         k, v = unsupported[0]
         raise ValueError(f"{where}: '{k}: {v}' is not supported here (plain LoRA only)")
-    r, alpha = int(conf.get("r", 8)), conf.get("lora_alpha", 8)
-    if r <= 0:
-        raise ValueError(f"{where}: r must be positive, got {r}")
+    r, alpha = conf.get("r", 8), conf.get("lora_alpha", 8)
+    for key, v in (("r", r), ("lora_alpha", alpha), ("lora_dropout", conf.get("lora_dropout") or 0.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: '{key}' must be a number, got {json.dumps(v)}")
+    if r <= 0 or r != int(r):
+        raise ValueError(f"{where}: r must be a positive integer, got {r}")
+    r = int(r)
     wpath = os.path.join(path, WEIGHTS)
     if not os.path.exists(wpath):
         if os.path.exists(os.path.join(path, "adapter_model.bin")):

@@ -63,6 +63,9 @@ def resolve_base(lora_path, conf, base_path=None):
 
 def _check_output(out_path, protected):
     out = os.path.abspath(out_path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"merge_lora_model_path {out_path!r} is an existing file, which the merged "
+                         "model directory would replace; choose a new directory")
     for p in protected:
         if out == os.path.abspath(p):
             raise ValueError(f"merge_lora_model_path {out_path!r} is the adapter or base directory; "
@@ -70,6 +73,34 @@ def _check_output(out_path, protected):
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, "config.json")):
         raise ValueError(f"merge_lora_model_path {out_path!r} exists and is not a model directory; "
                          "choose a new or empty directory")
+    from ..outdir import check_writable
+
+    check_writable(out, "merge_lora_model_path")
+
+
+def _same_place(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def warn_other_base(lora_path, conf, base_path, base):
+    """--model_name_or_path overriding adapter_config.json's base: said with both names, since
+    an adapter merged into another base (even of the same shapes) is a different model."""
+    recorded = conf.get("base_model_name_or_path")
+    if not base_path or not recorded:
+        return
+    from ..models import BUILTIN_MODELS, resolve_model_path
+
+    if recorded in BUILTIN_MODELS or os.path.isdir(recorded):
+        same = _same_place(resolve_model_path(recorded), base)
+    else:
+        same = os.path.basename(os.path.normpath(recorded)) == os.path.basename(os.path.normpath(base))
+    if not same:
+        logger.warning("%s/adapter_config.json says the adapter was trained on %s, but it is merged "
+                       "into %s (--model_name_or_path): make sure that is the same model", lora_path,
+                       recorded, base_path)
 
 
 def merge_lora(lora_path, out_path, base_path=None):
@@ -77,6 +108,7 @@ def merge_lora(lora_path, out_path, base_path=None):
     conf, modules, _ = lora_mod.read(lora_path)
     base = resolve_base(lora_path, conf, base_path)
     _check_output(out_path, (lora_path, base))
+    warn_other_base(lora_path, conf, base_path, base)
     reader = hf.CheckpointReader(base)
     for module, (A, B) in modules.items():         # every check before anything is written
         name = module + ".weight"

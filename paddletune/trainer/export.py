@@ -167,6 +167,9 @@ def check_output(output, base):
     if out == os.path.abspath(base):
         raise ValueError(f"output_path {output!r} is the base model directory, whose files the "
                          "merge would replace; choose another directory")
+    from ..outdir import check_writable
+
+    check_writable(out, "output_path")
     return output
 
 

@@ -193,11 +193,12 @@ def generation_eval_fn(dataset, tokenizer, gen_config, output_dir=None, save_out
 def write_json_lines(path, rows):
     """Write dicts as JSON lines atomically (temp file beside `path`, then os.replace)."""
     import json
-    import tempfile
+
+    from ..io import temp_file
 
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    fd, tmp = temp_file(d)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for r in rows:

@@ -24,6 +24,7 @@ import paddle
 from .. import parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
+from ..models import check_finite
 from ..models.loss import lm_loss_for
 from . import checkpoint as ckpt
 from .optim import AdamW, lr_at
@@ -235,6 +236,9 @@ class Trainer:
         if a.resume_from_checkpoint:
             self._resume(a.resume_from_checkpoint)
         self._log_start(total)
+        if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
+            ckpt.warn_space(a.output_dir, (total - self.state["global_step"]) // a.save_steps,
+                            a.save_total_limit, sum(int(np.prod(p.shape)) for p in self.trainable.values()))
         self.model.train()
         bar = self._progress(total)
         st = self.state
@@ -459,7 +463,8 @@ class Trainer:
         data = self._data_positions() if hasattr(self.train_source, "state_dict") else None
         model_pieces, optim_pieces, meta = self._pieces()
         state = dict(self.state, optimizer=meta, rng=rngs, world_size=self.topo.world_size,
-                     degrees=dict(self.topo.degrees), global_batch=self.global_batch())
+                     degrees=dict(self.topo.degrees), global_batch=self.global_batch(),
+                     args=ckpt.jsonable_args(self.args))
         if data is not None:
             state["data_state"] = data
         if self.main:
@@ -522,9 +527,11 @@ class Trainer:
         degrees = state.pop("degrees", {"dp": state.get("world_size", 1), "pp": 1, "sharding": 1, "tp": 1})
         state.pop("world_size", None)
         state.pop("global_batch", None)
+        if self.main:
+            ckpt.report_changed_args(state.pop("args", None), self.args, path)
+        state.pop("args", None)
         if degrees == self.topo.degrees:
-            saved = rngs[self.topo.rank]
-            ckpt.set_rng_state(saved["state"] if isinstance(saved, dict) else saved)
+            ckpt.restore_rng(rngs, self.topo.rank, path)
         else:
             logger.warning("resuming under another layout (%s, checkpoint: %s): dropout RNG streams "
                            "are not carried over, they continue from the seed",
@@ -563,7 +570,7 @@ class Trainer:
                 want = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, want))
             if reader.global_shape(n) != want:
                 raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
-            self._local(p).set_value(self._read_local(reader, n, p))
+            self._local(p).set_value(check_finite(self._read_local(reader, n, p), n, where=path))
 
     def _finish(self):
         a, st = self.args, self.state
