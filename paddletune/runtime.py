@@ -234,6 +234,11 @@ def warn_once(key, message, *args):
         logger.warning(message, *args)
 
 
+def amp_cpu_warning(key):
+    """The one warning for fp16 / bf16 on CPU (argument check and Trainer say the same, once)."""
+    return f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32"
+
+
 def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
     """Resolve precision switches for this device: (enabled, dtype, level).
 
@@ -242,8 +247,8 @@ def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
     if not (fp16 or bf16):
         return False, "float32", "O0"
     if device() == "cpu":
-        warn_once("amp_cpu", "fp16/bf16 requested but CPU paddle has float32 kernels only: "
-                  "running in float32")
+        msg = amp_cpu_warning("bf16" if bf16 else "fp16")
+        warn_once(msg, msg)   # the same key as the argument check's warning: said once
         return False, "float32", "O0"
     return True, ("bfloat16" if bf16 else "float16"), fp16_opt_level
 
