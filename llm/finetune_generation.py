@@ -41,12 +41,10 @@ def prepare(argv=None):
     degrees = parallel.degrees_from_args(args, parallel.world_from_env()[0])
     check_layout(spec, config, degrees["tp"])
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
-    explicit = args.resume_from_checkpoint is not None
+    # PaddleNLP habit: rerunning continues from output_dir's latest checkpoint (the Trainer says
+    # from where, and what is left, in one line)
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)
-    if args.resume_from_checkpoint and not explicit:   # PaddleNLP habit: rerunning continues
-        runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)",
-                            args.resume_from_checkpoint)
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds

@@ -167,10 +167,16 @@ class _BannerFilter:
 
     def __init__(self, stream):
         self.stream = stream
+        self.dropped = False
 
     def write(self, text):
-        if "OMP_NUM_THREADS" in text and ("WISELY" in text or "not 1" in text):
+        # print() writes its text and then the line end separately: drop that line end too, so
+        # the banner leaves no blank lines behind
+        if ("OMP_NUM_THREADS" in text and ("WISELY" in text or "not 1" in text)) or (
+                self.dropped and text == "\n"):
+            self.dropped = text != "\n"
             return len(text)
+        self.dropped = False
         return self.stream.write(text)
 
     def __getattr__(self, name):
@@ -262,11 +268,12 @@ def set_seed(seed):
     paddle.seed(seed)
 
 
-def setup_logging(rank=0):
-    """Plain stdout logging; ranks other than 0 log warnings only."""
+def setup_logging(rank=0, stream=None):
+    """Plain logging to stdout (or `stream`: the predictor keeps stdout for its answers);
+    ranks other than 0 log warnings only."""
     level = logging.INFO if rank == 0 else logging.WARNING
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(stream or sys.stdout)
         prefix = "" if rank == 0 else f"[rank {rank}] "
         handler.setFormatter(logging.Formatter(prefix + "[%(asctime)s] %(levelname)s %(message)s",
                                                "%H:%M:%S"))
