@@ -22,7 +22,7 @@ from paddletune.data import DataError, build_datasets
 from paddletune.data.collate import padding_collate
 from paddletune.data.packing import build_train_source
 from paddletune.generation import GenerationConfig, checkpoint_defaults
-from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.models import glm_export, load_config, load_model, resolve_model_path
 from paddletune.parallel.plan import check_layout
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
@@ -46,6 +46,11 @@ def prepare(argv=None):
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
+    if args.export_format != "hf":   # glm: ChatGLM2/3 full models and LoRA adapters only
+        glm_export.check_format(args.export_format, config.model_type, "export_format")
+        if peft.selected(model_args) not in (None, "lora"):
+            raise ArgumentError(f"export_format={args.export_format} converts full models and LoRA "
+                                f"adapters; {peft.selected(model_args)} adapters keep their own format")
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
 
@@ -105,6 +110,9 @@ def main(argv=None):
                       topology=topo, checkpoint_meta=checkpoint_meta(model_args, model_path))
     if args.do_train:
         trainer.train()
+        if args.export_format != "hf" and topo.is_main:   # the HF export, rewritten in place
+            glm_export.export_as(args.output_dir, args.export_format, model.config.to_dict())
+            logger.info("exported as %s (transformers' GlmForCausalLM)", args.export_format)
     if args.do_eval and dev_ds is not None:
         metrics = trainer.evaluate()
         if topo.is_main:

@@ -241,6 +241,7 @@ class TrainingArguments:
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP PP tuning flags", "no_effect", NOEFF_PARALLEL)
     sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
+    export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
     optim: str = F("adamw", "optimizer", choices=["adamw"])

@@ -188,7 +188,6 @@ RUN_TWO_STEPS = [   # one file per job and per accepted feature
     "llama/lora_argument.json",         # LoRA; do_eval false + steps: PaddleNLP evaluates; save_steps 1
     "llama/pt_argument.json",           # prefix tuning
     "llama/qlora_argument.json",        # QLoRA nf4
-    "chatglm2/lora_argument.json",      # ChatGLM2 LoRA
     "qwen/ssa_argument.json",           # no/no strategies with load_best_model_at_end, generation eval unused
     "llama/flashmask/lora.json",        # benchmark mode, greedy zero padding, lazy data, flash_mask
     "qwen/sft_argument_0p5b_best.json",  # fused-kernel keys, zero padding

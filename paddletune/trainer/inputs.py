@@ -107,6 +107,8 @@ def public_inputs(args=None, model=None, tokenizer=None, train_dataset=None, eva
 
     model_args, data_args, quant_args, gen_args, targs = arguments(args)
     topo = options.pop("topology", None) or parallel.init(targs)
+    if not runtime.logger.handlers:   # the script's log format (rank 0 logs, others warn)
+        runtime.setup_logging(topo.rank)
     runtime.set_device(targs.device)
     runtime.set_seed(targs.seed)
     parts, path = {}, getattr(model, "name_or_path", None)
