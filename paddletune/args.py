@@ -452,6 +452,9 @@ def help_text():
             tag = f" [{_not_yet(f.name)}]" if _not_yet(f.name) else tag
             lines.append(f"  --{f.name} ({_type_of(f).__name__}, default {f.default if f.default is not dataclasses.MISSING else '[]'}){tag}")
             lines.append(f"      {m['help']}" + (f" ({m['why']})" if m["why"] and m["status"] != "implemented" else ""))
+    lines.append("\nKeys of other PaddleNLP jobs (a file holding them is refused, naming the job):")
+    for job, script, status, keys in JOBS:
+        lines.append(f"  {job} ({script}; {status}): {', '.join(keys)}")
     return "\n".join(lines)
 
 
@@ -475,6 +478,9 @@ def markdown_table():
                                     "refused": "refused: " + (m["why"] or "")}[m["status"]]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{name}` | {cls.__name__} | `{default}` | {status} | {m['help']} |")
+    for job, script, status, keys in JOBS:   # keys of other PaddleNLP jobs: refused by job name
+        rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | another job | - | refused, naming the "
+                    f"job: PaddleNLP's {job} ({script}); {status} | keys of PaddleNLP's {job} files |")
     return "\n".join(rows)
 
 

@@ -16,7 +16,7 @@ import math
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .common import (base_name_for_config, check_shapes, freeze, get_module, linear_dims,
+from .common import (base_name_for_config, builtin_name, check_shapes, freeze, get_module, linear_dims,
                      match_modules, read_own, replace_module, save_own)
 
 logger = logging.getLogger("paddletune")

@@ -12,7 +12,7 @@ from typing import Tuple
 
 import paddle.nn as nn
 
-from .common import (base_name_for_config, check_shapes, freeze, get_module, linear_dims,
+from .common import (base_name_for_config, builtin_name, check_shapes, freeze, get_module, linear_dims,
                      match_modules, read_own, save_own)
 
 logger = logging.getLogger("paddletune")

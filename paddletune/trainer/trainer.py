@@ -54,8 +54,7 @@ class Trainer:
     Public (paddletune.Trainer; trainer/inputs.py turns what you pass into the parts below):
         trainer = Trainer(args, model, tokenizer=None, train_dataset=None, eval_dataset=None)
         trainer.train(); trainer.evaluate(); trainer.predict(["prompt", ...])
-      args: TrainingArguments, the tuple parse_args returns, a JSON argument file or a dict of
-      keys; model: a paddle model (paddletune.load_model) or a model name / directory (loaded,
+      args: TrainingArguments, the tuple parse_args returns, or a JSON argument file; model: a paddle model (paddletune.load_model) or a model name / directory (loaded,
       PEFT from the arguments applied, as llm/finetune_generation.py does); datasets: rows
       ({"src", "tgt"} or {"messages"}), lists of token ids, or {"input_ids", "labels"} dicts.
       Checkpoints, resume (a rerun continues from output_dir's latest checkpoint) and launching
