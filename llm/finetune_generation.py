@@ -23,8 +23,8 @@ from paddletune.data.collate import padding_collate
 from paddletune.data.packing import build_train_source
 from paddletune.data.sft import check_positions
 from paddletune.generation import GenerationConfig, checkpoint_defaults
-from paddletune.models import (check_checkpoint, check_tokenizer, load_config, load_model,
-                               position_limit, resolve_model_path)
+from paddletune.models import (check_checkpoint, check_tokenizer, glm_export, load_config,
+                               load_model, position_limit, resolve_model_path)
 from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
 from paddletune.tokenizer import load_tokenizer
@@ -49,15 +49,18 @@ def prepare(argv=None):
     tok = load_tokenizer(model_args.tokenizer_name_or_path or model_path)
     check_tokenizer(config, tok, model_path)
     check_checkpoint(model_path, config)   # weight files: headers, names, shapes, dtypes
-    explicit = args.resume_from_checkpoint is not None
+    # PaddleNLP habit: rerunning continues from output_dir's latest checkpoint (the Trainer says
+    # from where, and what is left, in one line)
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)
-    if args.resume_from_checkpoint and not explicit:   # PaddleNLP habit: rerunning continues
-        runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)",
-                            args.resume_from_checkpoint)
     if args.resume_from_checkpoint:
         verify_checkpoint(args.resume_from_checkpoint)   # checksums: a damaged file fails here
     peft.validate(model_args, model_path)  # targets, saved adapter shapes: before any work
+    if args.export_format != "hf":   # glm: ChatGLM2/3 full models and LoRA adapters only
+        glm_export.check_format(args.export_format, config.model_type, "export_format")
+        if peft.selected(model_args) not in (None, "lora"):
+            raise ArgumentError(f"export_format={args.export_format} converts full models and LoRA "
+                                f"adapters; {peft.selected(model_args)} adapters keep their own format")
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
     check_positions(*position_limit(config), data_args.max_length, (train_ds, dev_ds),
                     os.path.join(model_path, "config.json"))
@@ -120,6 +123,9 @@ def main(argv=None):
                       topology=topo, checkpoint_meta=checkpoint_meta(model_args, model_path))
     if args.do_train:
         trainer.train()
+        if args.export_format != "hf" and topo.is_main:   # the HF export, rewritten in place
+            glm_export.export_as(args.output_dir, args.export_format, model.config.to_dict())
+            logger.info("exported as %s (transformers' GlmForCausalLM)", args.export_format)
     if args.do_eval and dev_ds is not None:
         metrics = trainer.evaluate()
         if topo.is_main:

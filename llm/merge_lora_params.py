@@ -38,6 +38,9 @@ def parse(argv=None):
                    "merge runs on the host")
     p.add_argument("--low_gpu_mem", default=None, help="accepted; the merge always streams")
     p.add_argument("--safe_serialization", default=None, help="accepted; output is safetensors")
+    p.add_argument("--export_format", default="hf", choices=["hf", "glm"], help="hf: the base's "
+                   "layout (default); glm: a ChatGLM2/3 base written as transformers' native "
+                   "GlmForCausalLM (paddletune/models/glm_export.py)")
     return p.parse_args(argv)
 
 
@@ -49,7 +52,17 @@ def main(argv=None):
         print(f"error: --device must be cpu or gpu, got {a.device!r}", file=sys.stderr)
         return 2
     try:
+        if a.export_format != "hf":   # checked before anything is written
+            from paddletune.models import glm_export, load_config
+            from paddletune.peft.lora import read
+            from paddletune.peft.merge import resolve_base
+
+            glm_export.check_format(a.export_format, load_config(
+                resolve_base(a.lora_path, read(a.lora_path)[0], a.model_name_or_path))[1].model_type,
+                "--export_format")
         out = merge_lora(a.lora_path, a.out, base_path=a.model_name_or_path)
+        if a.export_format != "hf":
+            glm_export.export_as(out, a.export_format)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,9 @@ def parse(argv=None):
     p.add_argument("--max_shard_size", default="5GB", help="full models: largest model*.safetensors "
                    "file before the weights are split into shards + index (default 5GB, as "
                    "save_pretrained)")
+    p.add_argument("--export_format", default="hf", choices=["hf", "glm"], help="hf: the model "
+                   "family's layout (default); glm: ChatGLM2/3 as transformers' native "
+                   "GlmForCausalLM (full models and LoRA adapters; paddletune/models/glm_export.py)")
     p.add_argument("--device", default="cpu", help="accepted for PaddleNLP compatibility (cpu, gpu, "
                    "gpu:N); the merge streams through host memory either way")
     return p.parse_args(argv)
@@ -58,12 +61,21 @@ def main(argv=None):
         return 2
     from paddletune.trainer.export import prepare, write
 
+    from paddletune.models import glm_export
+
     try:
         plan = prepare(a.model_name_or_path, a.output_path, a.base_model_name_or_path, a.max_shard_size)
+        if a.export_format != "hf":
+            glm_export.check_format(a.export_format, plan.model.config.model_type, "--export_format")
+            if plan.method not in (None, "lora"):
+                raise ValueError(f"--export_format {a.export_format} converts full models and LoRA "
+                                 f"adapters; a {plan.method} adapter keeps its own format")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = write(plan)
+    if a.export_format != "hf":
+        glm_export.export_as(out, a.export_format, plan.model.config.to_dict(), a.max_shard_size)
     what = f"{plan.method} adapter" if plan.method else "model"
     print(f"{what} of {a.model_name_or_path} saved to {os.path.abspath(out)}")
     return 0

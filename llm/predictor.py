@@ -260,7 +260,7 @@ def predict(a, model, tok, cfg, rows):
 @cli.entry   # errors anywhere below: one `error:` line, exit 2 (PADDLETUNE_DEBUG=1: traceback)
 def main(argv=None, stdin=None, stdout=None):
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    runtime.setup_logging()
+    runtime.setup_logging(stream=sys.stderr)   # stdout carries the answers only
     try:
         a = parse(sys.argv[1:] if argv is None else argv)
         path, tok, rows = check(a)

@@ -35,6 +35,8 @@ def F(default, help, status="implemented", why=None, choices=None):
 
 
 NOEFF_PARALLEL = "this launcher has no such switch; the setting is ignored"
+NOEFF_FUSED = "paddletune picks its own CPU kernels (paddletune/kernels); results are the same"
+NOEFF_PTQ = "post-training quantization is not implemented"
 
 
 @dataclass
@@ -78,9 +80,42 @@ class ModelArgument:
     rdrop_alpha: float = F(1.0, "weight of the R-Drop KL term")
     neftune: bool = F(False, "NEFTune: uniform noise on input embeddings during training")
     neftune_noise_alpha: float = F(5.0, "NEFTune noise scale alpha (noise ~ U(-1,1) * alpha/sqrt(L*d))")
+    rslora_plus: bool = F(False, "PaddleNLP's rsLoRA+ preset: rslora true, lora_plus_scale 4, lora_alpha 4")
+    use_mora: bool = F(False, "MoRA (high-rank updating)", "refused", "MoRA is not implemented; use lora")
+    lora_use_mixer: bool = F(False, "MosLoRA mixer", "refused", "MosLoRA is not implemented; use lora")
     vera: bool = F(False, "VeRA adapters", "refused", "VeRA is not implemented; use lora")
+    vera_rank: int = F(8, "VeRA rank", "no_effect", "VeRA is not implemented")
     lokr: bool = F(False, "LoKr adapters", "refused", "LoKr is not implemented; use lora")
+    lokr_path: Optional[str] = F(None, "saved LoKr state", "refused", "LoKr is not implemented; use lora")
+    lokr_dim: int = F(8, "LoKr dimension", "no_effect", "LoKr is not implemented")
+    dislora: bool = F(False, "DisLoRA adapters", "refused", "DisLoRA is not implemented; use lora")
+    dislora_rank: int = F(8, "DisLoRA rank", "no_effect", "DisLoRA is not implemented")
+    dislora_dropout: float = F(0.0, "DisLoRA dropout", "no_effect", "DisLoRA is not implemented")
+    target_modules: Optional[List[str]] = F(None, "DisLoRA's target modules", "refused", "DisLoRA is not implemented; LoRA's targets are lora_target_modules")
+    s_tsd: int = F(8, "DisLoRA task-specific directions", "no_effect", "DisLoRA is not implemented")
+    ortho_lambda: float = F(1.0, "DisLoRA orthogonality weight", "no_effect", "DisLoRA is not implemented")
+    prefer_small_sigma: bool = F(True, "DisLoRA singular-value choice", "no_effect", "DisLoRA is not implemented")
+    reft: bool = F(False, "ReFT interventions", "refused", "ReFT is not implemented; use lora")
+    ir_qlora: bool = F(False, "IR-QLoRA (information-retention QLoRA)", "refused", "IR-QLoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
+    hqlora_quantize_cfg: Optional[str] = F(None, "HQ-LoRA quantization config", "refused", "HQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
+    lqlora_quantize_cfg: Optional[str] = F(None, "LQ-LoRA quantization config", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
+    lqlora_state_dict: Optional[str] = F(None, "LQ-LoRA initial state", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
+    use_shift_sparse_attention: bool = F(False, "LongLoRA's shifted sparse attention (S2-Attn)", "refused", "shifted sparse attention is not implemented; train LoRA with full attention (drop the key)")
     continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "weights are always loaded from model_name_or_path")
+    hidden_dropout_prob: Optional[float] = F(None, "override the model's hidden dropout", "no_effect", "dropout comes from the checkpoint's config.json")
+    attention_probs_dropout_prob: Optional[float] = F(None, "override the model's attention dropout", "no_effect", "dropout comes from the checkpoint's config.json")
+    flash_mask: bool = F(False, "FlashMask: sparse masks inside GPU flash attention", "no_effect", "a GPU flash-attention kernel; packed rows (zero_padding) get exact block-diagonal attention here")
+    use_fused_rms_norm: bool = F(False, "fused RMSNorm kernel (GPU)", "no_effect", NOEFF_FUSED)
+    use_fused_rope: bool = F(False, "fused rotary-embedding kernel (GPU)", "no_effect", NOEFF_FUSED)
+    use_fused_linear: bool = F(False, "fused Linear kernels (GPU)", "no_effect", NOEFF_FUSED)
+    use_fused_head_and_loss_fn: bool = F(False, "fuse the LM head with the loss", "no_effect", "the LM head and the loss are always computed together in chunks (models/linear_ce.py)")
+    use_sparse_head_and_loss_fn: bool = F(False, "LM head and loss at labelled positions only", "no_effect", "logits are always computed at labelled positions only")
+    use_fused_linear_cross_entropy: bool = F(False, "fused linear + cross-entropy (GPU)", "no_effect", "the LM head and the loss are always computed together in chunks (models/linear_ce.py)")
+    use_long_sequence_strategies: bool = F(False, "PaddleNLP's long-sequence strategies (rope scaling chosen by strategy_name)", "refused", "long-sequence strategies are not built here; set rope_scaling in the checkpoint's config.json (linear, dynamic, llama3)")
+    strategy_type: Optional[str] = F(None, "long-sequence strategy family (embedding_strategies)", "no_effect", "read only with use_long_sequence_strategies")
+    strategy_name: Optional[str] = F(None, "long-sequence strategy (e.g. YaRNScalingRotaryEmbedding)", "no_effect", "read only with use_long_sequence_strategies")
+    rope_scaling_type: Optional[str] = F(None, "rope scaling type of the long-sequence strategy", "no_effect", "read only with use_long_sequence_strategies")
+    rope_scaling_factor: float = F(1.0, "rope scaling factor of the long-sequence strategy", "no_effect", "read only with use_long_sequence_strategies")
 
 
 @dataclass
@@ -119,6 +154,23 @@ class QuantArgument:
     ptq_step: int = F(32, "PTQ steps", "no_effect", "PTQ is not implemented")
     shift: bool = F(False, "PTQ shift", "no_effect", "PTQ is not implemented")
     smooth: bool = F(False, "PTQ smooth", "no_effect", "PTQ is not implemented")
+    smooth_step: int = F(32, "PTQ smooth sample steps", "no_effect", NOEFF_PTQ)
+    smooth_all_linears: bool = F(False, "PTQ: smooth every Linear", "no_effect", NOEFF_PTQ)
+    smooth_piecewise_search: bool = F(False, "PTQ: piecewise search for smoothing", "no_effect", NOEFF_PTQ)
+    smooth_k_piece: int = F(3, "PTQ: pieces of the piecewise search", "no_effect", NOEFF_PTQ)
+    smooth_search_piece: bool = F(False, "PTQ: search the piece count", "no_effect", NOEFF_PTQ)
+    weight_quant_method: str = F("abs_max_channel_wise", "PTQ weight quantization method", "no_effect", NOEFF_PTQ)
+    act_quant_method: str = F("avg", "PTQ activation quantization method", "no_effect", NOEFF_PTQ)
+    cachekv_quant_method: str = F("avg_headwise", "PTQ KV-cache quantization method", "no_effect", NOEFF_PTQ)
+    fp8_type: List[str] = F(["e4m3", "e4m3"], "FP8 PTQ types (activation, weight)", "no_effect", NOEFF_PTQ)
+    use_fp8: str = F("", "FP8 PTQ of weights and/or activations", "refused", "FP8 quantization is not implemented")
+    gptq_step: int = F(8, "GPTQ steps", "no_effect", "GPTQ is not implemented")
+    auto_clip: bool = F(False, "AWQ auto-clip", "no_effect", "AWQ is not implemented")
+    autoclip_step: int = F(8, "AWQ auto-clip steps", "no_effect", "AWQ is not implemented")
+    do_foem: bool = F(False, "FOEM (GPTQ variant)", "refused", "FOEM is not implemented")
+    load_quant_model: bool = F(False, "load a PaddleNLP PTQ-quantized model", "refused", "PaddleNLP's PTQ model format is not read here")
+    do_ceval: bool = F(False, "C-Eval evaluation of a quantized model", "refused", "C-Eval evaluation is not built here")
+    ceval_data_path: Optional[str] = F(None, "C-Eval data directory", "no_effect", "C-Eval evaluation is not built here")
 
 
 @dataclass
@@ -172,7 +224,7 @@ class TrainingArguments:
     data_seed: Optional[int] = F(None, "seed of the data order (default: seed)")
     fp16: bool = F(False, "float16 AMP on GPU; float32 on CPU (warned)")
     bf16: bool = F(False, "bfloat16 AMP on GPU; float32 on CPU (warned)")
-    fp16_opt_level: str = F("O1", "AMP level O1 or O2 (GPU)", choices=["O1", "O2"])
+    fp16_opt_level: str = F("O1", "AMP level O0, O1 or O2 (GPU)", choices=["O0", "O1", "O2"])
     amp_master_grad: bool = F(False, "float32 master gradients under O2 (GPU)", "no_effect", "gradients are float32 on CPU")
     scale_loss: float = F(32768.0, "initial fp16 loss scale (GPU)")
     recompute: bool = F(False, "recompute activations in backward (less memory, ~1/3 more compute)")
@@ -191,6 +243,7 @@ class TrainingArguments:
     pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
     virtual_pp_degree: int = F(1, "virtual pipeline stages per rank (interleaved 1F1B)", "refused", "the interleaved schedule is not built; the non-interleaved 1F1B runs with 1")
     sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
+    export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
     optim: str = F("adamw", "optimizer", choices=["adamw"])
@@ -199,15 +252,29 @@ class TrainingArguments:
     save_on_each_node: bool = F(False, "save on every node", "no_effect", "rank 0 writes")
     flatten_param_grads: bool = F(False, "flatten gradients", "no_effect", "no flattened gradient buffer")
     use_sparse_mask: bool = F(False, "sparse attention mask of PaddleNLP's flash attention", "no_effect", "zero padding builds its own attention structure")
-    benchmark: bool = F(False, "PaddleNLP benchmark mode", "no_effect", "use benchmarks/")
+    benchmark: bool = F(False, "PaddleNLP's benchmark mode: train only (no evaluation, no checkpoints, output_dir overwritten)")
     log_on_each_node: bool = F(True, "log on every node", "no_effect", "rank 0 logs")
+    tensor_parallel_output: bool = F(True, "keep the logits split over tensor-parallel ranks for the loss", "no_effect", "under tensor parallelism the loss always runs on vocabulary shards (the logits are never gathered)")
+    sequence_parallel: bool = F(False, "Megatron sequence parallelism (activations split along the sequence)", "no_effect", "not built: activations are not split along the sequence (same results, more memory per rank)")
+    virtual_pp_degree: int = F(1, "interleaved pipeline stages per rank", "no_effect", "pipeline parallelism is not built yet")
+    autotuner_benchmark: bool = F(False, "PaddleNLP's autotuner benchmark mode: benchmark mode for 5 steps")
+    release_grads: bool = F(False, "free gradients after each step", "no_effect", "gradients are cleared after every step already")
+    amp_custom_black_list: Optional[str] = F(None, "ops kept in float32 under AMP (GPU)", "no_effect", "no AMP on CPU")
+    amp_custom_white_list: Optional[str] = F(None, "ops forced to low precision under AMP (GPU)", "no_effect", "no AMP on CPU")
+    recompute_use_reentrant: bool = F(False, "reentrant recompute (PaddleNLP)", "no_effect", "recompute has one implementation here")
+    distributed_dataloader: bool = F(False, "read data on one rank and broadcast", "no_effect", "every data-parallel rank reads its own share")
+    skip_profile_timer: bool = F(True, "PaddleNLP step timers", "no_effect", "step times are logged as tokens per second")
     max_evaluate_steps: int = F(-1, "cap the number of eval batches (-1 = all)")
 
 
 CLASSES = (ModelArgument, DataArgument, QuantArgument, GenerateArgument, TrainingArguments)
 TABLE = {f.name: (cls, f) for cls in CLASSES for f in dataclasses.fields(cls)}
 REQUIRED = ("model_name_or_path", "dataset_name_or_path", "output_dir")
-ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy"}
+ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy",
+           "min_learning_rate": "min_lr"}
+# values of implemented keys that name a feature not built here (key, value) -> why
+REFUSED_VALUES = {("weight_quantize_algo", "lqlora"): "LQ-LoRA is not implemented; use lora with "
+                  "weight_quantize_algo nf4 (QLoRA)"}
 # parallel degrees: values above 1 are refused until the parallel issues land (_check_parallel);
 # `sharding` over several ranks goes with sharding_parallel_degree
 PARALLEL_NOT_YET = {"sharding_parallel_degree": "sharding issue"}
@@ -269,9 +336,109 @@ def _convert(key, value, f, source):
         raise ArgumentError(f"{source}: '{key}' must be {typ.__name__}, got {value!r}") from None
 
 
+def suggestion(key):
+    """The valid key `key` was probably meant to be, or None. Only close matches count: a typo
+    (similarity >= 0.8: lerning_rate -> learning_rate) or a shortened name (model_name ->
+    model_name_or_path); a loose match misleads more than it helps (flash_mask -> lora_rank)."""
+    names = list(TABLE) + list(ALIASES)
+    m = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+    if m:
+        return m[0]
+    longer = [n for n in names if len(key) >= 5 and n.startswith(key)]
+    return min(longer, key=len) if longer else None
+
+
 def closest(key):
-    m = difflib.get_close_matches(key, list(TABLE) + list(ALIASES), n=1, cutoff=0.5)
-    return f"; did you mean '{m[0]}'?" if m else "; run with --help for the valid keys"
+    m = suggestion(key)
+    return f"; did you mean '{m}'?" if m else "; run with --help for the valid keys"
+
+
+def unknown_keys_error(keys, sources):
+    """One message for every unknown key (grouped by where each came from)."""
+    by_src = {}
+    for k in keys:
+        by_src.setdefault(sources.get(k, "arguments"), []).append(k)
+    parts = []
+    for src, ks in by_src.items():
+        if len(ks) == 1:
+            parts.append(f"{src}: unknown key '{ks[0]}'{closest(ks[0])}")
+            continue
+        named = ", ".join(f"'{k}'" + (f" (did you mean '{suggestion(k)}'?)" if suggestion(k) else "")
+                          for k in ks)
+        parts.append(f"{src}: {len(ks)} unknown keys: {named}; run with --help for the valid keys")
+    return ArgumentError("\n".join(parts))
+
+
+# ------------------------------------------------------------------ other PaddleNLP jobs
+# Keys that only argument files of another PaddleNLP job use (its own dataclasses), with the
+# script PaddleNLP runs them with and what paddletune has for that job. A file holding them gets
+# one message naming the job, never "unknown key". Checked in this order (the first match wins:
+# RLHF files also carry preference-data keys).
+JOBS = (
+    ("RLHF (PPO / GRPO / REINFORCE++)", "llm/alignment/ppo/run_ppo.py (or llm/alignment/rl/run_rl.py)",
+     "paddletune has no RLHF script",
+     ("actor_model_name_or_path", "reward_model_name_or_path", "rl_algorithm", "rollout_n",
+      "kl_coeff", "kl_loss_coeff", "ptx_coeff", "ptx_datasets", "critic_learning_rate",
+      "use_rm_server", "reward_server", "update_iters", "per_device_prompt_batch_size",
+      "clip_range_ratio", "clip_range_score", "clip_range_value", "normalize_reward",
+      "normalize_advantage", "max_dec_len", "min_dec_len", "num_return_sequences", "use_fusemt")),
+    ("process reward model (PRM) training", "llm/alignment/rm/flashmask/run_reward.py",
+     "paddletune has no reward-model script", ("process_reward", "placeholder_token", "reward_tokens")),
+    ("reward model training", "llm/alignment/rm/run_reward.py", "paddletune has no reward-model script",
+     ("normalize_score_during_training", "normalizer_type", "normalizer_momentum", "regularization",
+      "train_datasets", "eval_datasets")),
+    ("DPO / SimPO preference alignment", "llm/alignment/dpo/run_dpo.py",
+     "paddletune has no run_dpo.py yet",
+     ("beta", "simpo_gamma", "loss_type", "label_smoothing", "reference_free", "ref_model_update_steps",
+      "train_dataset_path", "dev_dataset_path", "max_seq_len", "max_prompt_len")),
+    ("pre-training", "llm/run_pretrain.py", "paddletune has no run_pretrain.py yet",
+     ("input_dir", "max_seq_length", "split", "data_impl", "share_folder", "skip_warmup",
+      "data_cache", "num_hidden_layers")),
+    ("embedding training", "llm/run_embedding.py", "paddletune has no embedding-training script",
+     ("max_query_len", "max_passage_len", "group_size", "query_template", "passage_template",
+      "embedding_temperature")),
+)
+# the same preference-data keys serve PaddleNLP's KTO and flash-mask reward-model scripts; the
+# file's name tells them apart (kto_argument.json, rm_flashmask_argument.json, flashmask/rm.json)
+KTO_JOB = ("KTO preference alignment", "llm/alignment/kto/run_kto.py", "paddletune has no run_kto.py yet")
+RM_JOB = ("reward model training", "llm/alignment/rm/flashmask/run_reward.py",
+          "paddletune has no reward-model script")
+
+
+def job_of(keys, sources):
+    """(job, PaddleNLP script, paddletune status, the keys that show it) of another PaddleNLP job
+    whose keys appear in `keys`, else None."""
+    for job, script, status, signature in JOBS:
+        found = [k for k in keys if k in signature]
+        if not found:
+            continue
+        if script == "llm/alignment/dpo/run_dpo.py":
+            name = os.path.basename(str(sources.get(found[0], ""))).lower()
+            words = set(name.replace("-", "_").replace(".", "_").split("_"))
+            if "kto" in words:
+                job, script, status = KTO_JOB
+            elif "rm" in words and "beta" not in keys:
+                job, script, status = RM_JOB
+        return job, script, status, found
+    return None
+
+
+def job_error(found, sources):
+    job, script, status, keys = found
+    src = sources.get(keys[0], "arguments")
+    shown = ", ".join(f"'{k}'" for k in keys[:6]) + (", ..." if len(keys) > 6 else "")
+    return ArgumentError(
+        f"{src} is an argument file for PaddleNLP's {job} (keys {shown}), which PaddleNLP runs with "
+        f"{script}; {status}. llm/finetune_generation.py runs supervised fine-tuning: full, LoRA, "
+        "prefix tuning, adapters, BitFit and QLoRA")
+
+
+def refused_error(refused, sources):
+    """One message for every refused key of a file: the features it asks for that are not built."""
+    parts = [f"'{key}: {json.dumps(value)}' ({why})" for key, value, why in refused]
+    src = sources.get(refused[0][0], "arguments")
+    what = "a feature that is" if len(refused) == 1 else "features that are"
+    return ArgumentError(f"{src}: asks for {what} not built here: " + "; ".join(parts))
 
 
 def help_text():
@@ -286,6 +453,9 @@ def help_text():
             tag = f" [{_not_yet(f.name)}]" if _not_yet(f.name) else tag
             lines.append(f"  --{f.name} ({_type_of(f).__name__}, default {f.default if f.default is not dataclasses.MISSING else '[]'}){tag}")
             lines.append(f"      {m['help']}" + (f" ({m['why']})" if m["why"] and m["status"] != "implemented" else ""))
+    lines.append("\nKeys of other PaddleNLP jobs (a file holding them is refused, naming the job):")
+    for job, script, status, keys in JOBS:
+        lines.append(f"  {job} ({script}; {status}): {', '.join(keys)}")
     return "\n".join(lines)
 
 
@@ -309,6 +479,9 @@ def markdown_table():
                                     "refused": "refused: " + (m["why"] or "")}[m["status"]]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"| `{name}` | {cls.__name__} | `{default}` | {status} | {m['help']} |")
+    for job, script, status, keys in JOBS:   # keys of other PaddleNLP jobs: refused by job name
+        rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | another job | - | refused, naming the "
+                    f"job: PaddleNLP's {job} ({script}); {status} | keys of PaddleNLP's {job} files |")
     return "\n".join(rows)
 
 
@@ -387,30 +560,45 @@ def build(values, sources=None, warn=None):
     sources = sources or {}
     warn = warn or (lambda msg: print("WARNING: " + msg, file=sys.stderr))
     kwargs = {cls: {} for cls in CLASSES}
+    unknown = [k for k in values if ALIASES.get(k, k) not in TABLE]
+    other_job = job_of(list(values), sources)
+    if other_job:
+        raise job_error(other_job, sources)
+    if unknown:
+        raise unknown_keys_error(unknown, sources)
+    refused, notes = [], []
     for key, value in values.items():
         src = sources.get(key, "arguments")
         name = ALIASES.get(key, key)
-        if name not in TABLE:
-            raise ArgumentError(f"{src}: unknown key '{key}'{closest(key)}")
         cls, f = TABLE[name]
+        feature = REFUSED_VALUES.get((name, value if isinstance(value, str) else None))
+        if feature:
+            refused.append((key, value, feature))
+            continue
         v = _convert(name, value, f, src)
         if name == "zero_padding" and key == "intokens" and not v:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        status = f.metadata["status"]
+        if v != default and status == "refused":
+            refused.append((key, value, f.metadata["why"]))
             continue
         choices = f.metadata["choices"]
         if choices and v not in choices:
             raise ArgumentError(f"{src}: '{key}' must be one of {[c for c in choices if c is not None]}, got {v!r}")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        status = f.metadata["status"]
-        if v != default and status == "refused":
-            raise ArgumentError(f"{src}: '{key}: {json.dumps(value)}' is not supported: {f.metadata['why']}")
         if v != default and status == "no_effect":
-            warn(f"'{key}: {json.dumps(value)}' has no effect here: {f.metadata['why']}")
+            notes.append(f"'{key}: {json.dumps(value)}' has no effect here: {f.metadata['why']}")
         kwargs[cls][name] = v
+    if refused:
+        raise refused_error(refused, sources)
+    for note in notes:
+        warn(note)
     for key in REQUIRED:
         cls, f = TABLE[key]
         if kwargs[cls].get(key) in (None, ""):
             raise ArgumentError(f"'{key}' is required ({f.metadata['help']})")
     objs = tuple(cls(**kwargs[cls]) for cls in CLASSES)
+    _paddlenlp_post_init(objs[-1], sources, warn)
     _resolve(*objs)
     _check_values(*objs, sources=sources, warn=warn)
     return objs
@@ -426,12 +614,61 @@ GENERATION_METRICS = METRICS[3:]   # need eval_with_do_generation
 LOWER_IS_BETTER = ("loss", "ppl")
 
 
+# ------------------------------------------------------------------ PaddleNLP's TrainingArguments rules
+
+def _paddlenlp_post_init(args, sources, warn):
+    """What PaddleNLP's TrainingArguments.__post_init__ (and its llm TrainingArguments) do to the
+    parsed values, in the same order, so a PaddleNLP file means the same here:
+      evaluation_strategy != no            sets do_eval: true
+      do_eval: true with strategy no       evaluation_strategy becomes steps (warned)
+      strategy steps without eval_steps    eval_steps = logging_steps
+      load_best_model_at_end               needs save_strategy == evaluation_strategy and, with
+                                           steps, save_steps a multiple of eval_steps (errors);
+                                           no metric_for_best_model means loss
+      fp16 and bf16 together               error
+      benchmark / autotuner_benchmark      train only: do_eval false, no evaluation, no
+                                           checkpoints, no best model, output_dir overwritten
+                                           (autotuner_benchmark: also max_steps 5)
+    load_best_model_at_end with no evaluation (both strategies no, as PaddleNLP's long-context
+    LoRA files have) is accepted and loads nothing."""
+    def err(key, msg):
+        raise ArgumentError(f"{sources.get(key, 'arguments')}: '{key}' {msg}")
+
+    if not args.do_eval and args.evaluation_strategy != "no":
+        args.do_eval = True
+    if args.do_eval and args.evaluation_strategy == "no":
+        warn("do_eval: true with evaluation_strategy 'no': evaluation_strategy set to 'steps' "
+             "(PaddleNLP's rule; set evaluation_strategy: epoch to evaluate once per epoch)")
+        args.evaluation_strategy = "steps"
+    if args.evaluation_strategy == "steps" and not args.eval_steps:
+        args.eval_steps = args.logging_steps
+    if args.load_best_model_at_end:
+        if args.evaluation_strategy != args.save_strategy:
+            err("load_best_model_at_end", f"needs save_strategy ({args.save_strategy}) equal to "
+                f"evaluation_strategy ({args.evaluation_strategy}) so every evaluated step has a checkpoint")
+        if (args.evaluation_strategy == "steps" and args.eval_steps and args.eval_steps > 0
+                and args.save_steps % args.eval_steps):
+            err("load_best_model_at_end", f"needs save_steps ({args.save_steps}) to be a multiple "
+                f"of eval_steps ({args.eval_steps})")
+        if args.metric_for_best_model is None:
+            args.metric_for_best_model = "loss"
+    if args.fp16 and args.bf16:
+        err("bf16", "cannot be combined with fp16: choose one")
+    if args.benchmark or args.autotuner_benchmark:
+        args.do_train, args.do_eval, args.overwrite_output_dir = True, False, True
+        args.load_best_model_at_end = False
+        args.save_strategy = args.evaluation_strategy = "no"
+        if args.autotuner_benchmark:
+            args.max_steps = 5
+
+
 # ------------------------------------------------------------------ derived values
 
 def _resolve(model_args, data_args, quant_args, gen_args, args):
     """Derived values: the one step that changes a parsed value, run before the checks (which
     then only check). Each rule is a PaddleNLP habit:
       lora_path                     implies lora: true (continue training a saved adapter)
+      rslora_plus                   rslora: true, lora_plus_scale 4, lora_alpha 4
       prefix_path                   implies prefix_tuning: true
       intokens, greedy_zero_padding imply zero_padding: true
       metric_for_best_model         'eval_loss' (the logged name) means 'loss'
@@ -439,6 +676,8 @@ def _resolve(model_args, data_args, quant_args, gen_args, args):
     """
     if model_args.lora_path:
         model_args.lora = True
+    if model_args.rslora_plus:
+        model_args.rslora, model_args.lora_plus_scale, model_args.lora_alpha = True, 4.0, 4
     if model_args.prefix_path:
         model_args.prefix_tuning = True
     if data_args.intokens or data_args.greedy_zero_padding:
@@ -467,7 +706,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_parallel(args, err, warn)
     _check_tensor_parallel(model_args, data_args, args, err)
     _check_pipeline_config(args, warn)
-    _check_generation(data_args, gen_args, args, err)
+    _check_generation(data_args, gen_args, args, err, warn)
     _check_data(model_args, data_args, args, err, warn)
 
 
@@ -555,12 +794,7 @@ def _check_peft(m, err):
 
 
 def _check_best_model(data_args, args, err):
-    if args.load_best_model_at_end:
-        if args.evaluation_strategy == "no" or not args.do_eval:
-            err("load_best_model_at_end", "needs do_eval: true and an evaluation_strategy (steps or epoch)")
-        if args.save_strategy != args.evaluation_strategy:
-            err("load_best_model_at_end", f"needs save_strategy ({args.save_strategy}) equal to "
-                f"evaluation_strategy ({args.evaluation_strategy}) so every evaluated step has a checkpoint")
+    # load_best_model_at_end: PaddleNLP's rules, in _paddlenlp_post_init
     metric = args.metric_for_best_model
     if metric is not None:
         if metric not in METRICS:
@@ -571,11 +805,11 @@ def _check_best_model(data_args, args, err):
 
 def _check_device(model_args, args, err, warn):
     """What this machine can run: AMP and flash attention warn on CPU, device: gpu needs a GPU."""
-    from .runtime import device
+    from .runtime import amp_cpu_warning, device
 
     for key in ("fp16", "bf16"):
         if getattr(args, key) and device() == "cpu":
-            warn(f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32")
+            warn(amp_cpu_warning(key))
     if args.device == "gpu" and device() != "gpu":
         err("device", "is gpu but paddle sees no GPU (CPU build or no visible device): install "
             "paddlepaddle-gpu (pip install -e .[gpu]) or use device: cpu / auto")
@@ -642,11 +876,12 @@ def _check_tensor_parallel(model_args, data_args, args, err):
                 f"{why}; set {key}: false or tensor_parallel_degree: 1")
 
 
-def _check_generation(data_args, gen_args, args, err):
+def _check_generation(data_args, gen_args, args, err, warn):
     if data_args.save_generation_output and not data_args.eval_with_do_generation:
         err("save_generation_output", "needs eval_with_do_generation: true (it saves the generated answers)")
-    if data_args.eval_with_do_generation and not args.do_eval:
-        err("eval_with_do_generation", "needs do_eval: true (generation runs on the dev set)")
+    if data_args.eval_with_do_generation and not args.do_eval:   # PaddleNLP: simply unused
+        warn("'eval_with_do_generation: true' has no effect without evaluation (do_eval false, "
+             "evaluation_strategy no)")
     for key, ok, rule in (("max_new_tokens", gen_args.max_new_tokens > 0, "> 0"),
                           ("temperature", gen_args.temperature > 0, "> 0"),
                           ("top_k", gen_args.top_k >= 0, ">= 0"),
@@ -659,9 +894,10 @@ def _check_generation(data_args, gen_args, args, err):
 def _check_data(model_args, data_args, args, err, warn):
     if data_args.lazy and args.do_train and args.max_steps <= 0:
         err("lazy", "needs max_steps > 0: the number of steps in a streamed file is unknown")
-    for key in ("save_strategy", "evaluation_strategy"):
+    for key in ("save_strategy", "evaluation_strategy"):   # PaddleNLP's long-context files do this
         if data_args.lazy and args.do_train and getattr(args, key) == "epoch":
-            err(key, "'epoch' never comes with lazy data (a stream has no epochs); use 'steps'")
+            warn(f"'{key}: epoch' has no effect with lazy data: a stream has no epochs, so nothing "
+                 "happens before the end of training; use 'steps'")
     if data_args.zero_padding and data_args.eval_with_do_generation:
         warn("zero_padding packs the training data only: generation eval uses unpacked dev data")
     if model_args.prefix_tuning and (data_args.zero_padding or data_args.greedy_zero_padding):

@@ -167,10 +167,16 @@ class _BannerFilter:
 
     def __init__(self, stream):
         self.stream = stream
+        self.dropped = False
 
     def write(self, text):
-        if "OMP_NUM_THREADS" in text and ("WISELY" in text or "not 1" in text):
+        # print() writes its text and then the line end separately: drop that line end too, so
+        # the banner leaves no blank lines behind
+        if ("OMP_NUM_THREADS" in text and ("WISELY" in text or "not 1" in text)) or (
+                self.dropped and text == "\n"):
+            self.dropped = text != "\n"
             return len(text)
+        self.dropped = False
         return self.stream.write(text)
 
     def __getattr__(self, name):
@@ -234,6 +240,11 @@ def warn_once(key, message, *args):
         logger.warning(message, *args)
 
 
+def amp_cpu_warning(key):
+    """The one warning for fp16 / bf16 on CPU (argument check and Trainer say the same, once)."""
+    return f"'{key}: true' has no effect on CPU: paddle has float32 kernels only, running float32"
+
+
 def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
     """Resolve precision switches for this device: (enabled, dtype, level).
 
@@ -242,8 +253,8 @@ def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
     if not (fp16 or bf16):
         return False, "float32", "O0"
     if device() == "cpu":
-        warn_once("amp_cpu", "fp16/bf16 requested but CPU paddle has float32 kernels only: "
-                  "running in float32")
+        msg = amp_cpu_warning("bf16" if bf16 else "fp16")
+        warn_once(msg, msg)   # the same key as the argument check's warning: said once
         return False, "float32", "O0"
     return True, ("bfloat16" if bf16 else "float16"), fp16_opt_level
 
@@ -257,11 +268,12 @@ def set_seed(seed):
     paddle.seed(seed)
 
 
-def setup_logging(rank=0):
-    """Plain stdout logging; ranks other than 0 log warnings only."""
+def setup_logging(rank=0, stream=None):
+    """Plain logging to stdout (or `stream`: the predictor keeps stdout for its answers);
+    ranks other than 0 log warnings only."""
     level = logging.INFO if rank == 0 else logging.WARNING
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(stream or sys.stdout)
         prefix = "" if rank == 0 else f"[rank {rank}] "
         handler.setFormatter(logging.Formatter(prefix + "[%(asctime)s] %(levelname)s %(message)s",
                                                "%H:%M:%S"))

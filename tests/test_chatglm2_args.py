@@ -53,7 +53,12 @@ def test_sft_argument_file_runs(tmp_path):
 def test_lora_argument_file_runs(tmp_path):
     out, _ = run_args("lora", tmp_path)
     conf = json.load(open(os.path.join(out, "adapter_config.json")))
-    assert conf["peft_type"] == "LORA" and conf["base_model_name_or_path"] == "paddletune/tiny-chatglm2"
+    from paddletune.models import resolve_model_path
+
+    assert conf["peft_type"] == "LORA"   # the base as a local path; the built-in name beside it
+    assert conf["base_model_name_or_path"] == os.path.abspath(resolve_model_path("paddletune/tiny-chatglm2"))
+    assert json.load(open(os.path.join(out, "paddletune_base_model.json"))) == {
+        "paddletune_base_model": "paddletune/tiny-chatglm2"}
     assert sorted(conf["target_modules"]) == ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
     assert not os.path.exists(os.path.join(out, "model.safetensors"))   # the adapter only
 

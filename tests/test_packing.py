@@ -149,8 +149,9 @@ def test_arguments():
     with pytest.raises(ArgumentError, match="'lazy' needs max_steps"):
         build(dict(base, lazy=True, do_train=True))
     build(dict(base, lazy=True, do_train=True, max_steps=5))
-    with pytest.raises(ArgumentError, match="'save_strategy' 'epoch' never comes with lazy data"):
-        build(dict(base, lazy=True, do_train=True, max_steps=5, save_strategy="epoch"))
+    seen = []   # PaddleNLP's long-context files do this: nothing happens before the end (warned)
+    build(dict(base, lazy=True, do_train=True, max_steps=5, save_strategy="epoch"), warn=seen.append)
+    assert any("'save_strategy: epoch' has no effect with lazy data" in w for w in seen)
 
 
 def test_benchmark_smoke():

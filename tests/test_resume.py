@@ -88,7 +88,7 @@ def test_sigkill_during_save_leaves_no_partial_checkpoint(ck, tmp_path):
     # resume_from_checkpoint=true picks checkpoint-1 and training completes
     r = run_script([WORKER, ck, str(out), "4", "1", "6", "true", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stdout + r.stderr and "checkpoint-1" in r.stdout + r.stderr
+    assert "RESUMING from" in r.stdout + r.stderr and "checkpoint-1" in r.stdout + r.stderr
     assert not any(n.startswith(".tmp-") for n in os.listdir(out))
 
 

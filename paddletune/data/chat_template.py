@@ -93,7 +93,12 @@ _BAICHUAN2 = (
     "{% elif m['role'] == 'user' %}<reserved_106>{{ m['content'] }}"
     "{% else %}<reserved_107>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<reserved_107>{% endif %}")
-BUILTIN_TEMPLATES = {"llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
+# plain: the turns' texts one after another, nothing added. The tokenizer's leading specials
+# (BOS) go in front and EOS after each answer (the rules above), so a {src, tgt} row renders
+# [BOS] src tgt [EOS]: token for token what PaddleNLP's rule without a template gives (data/sft.py).
+# The built-in tiny models carry it, so the sample run's data is unchanged and --chat works.
+_PLAIN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+BUILTIN_TEMPLATES = {"plain": _PLAIN, "llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
                      "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3, "baichuan2": _BAICHUAN2}
 
 

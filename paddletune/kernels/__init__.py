@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 
 
 logger = logging.getLogger("paddletune")
@@ -82,6 +83,10 @@ def _build():
     if mod is not None:
         return mod
     os.makedirs(build_dir, exist_ok=True)
+    # the compile is silent (its output goes to a temp file): say what the pause is, and when it ends
+    logger.info("CPU kernels: building them once for this machine and paddle version (~15-45 s; "
+                "later runs load them in ~1 s) into %s", build_dir)
+    t0 = time.time()
     with open(build_dir + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one build per key, however many ranks start at once
         try:
@@ -90,6 +95,7 @@ def _build():
                            extra_ldflags=ldflags, build_directory=build_dir, verbose=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    logger.info("CPU kernels: built in %.0f s", time.time() - t0)
     # paddle registers a library's ops once per process; a second load returns an empty module
     missing = [n for n in OPS if not hasattr(mod, n)]
     if missing:
@@ -154,6 +160,8 @@ def cpu_ops():
     _STATE["ops"] = ops
     if reason:
         logger.info("CPU kernels: off (%s); paddle's kernels are used", reason)
+    else:   # the default case is said too (README: "the log says which")
+        logger.info("CPU kernels: on (paddletune's cross-entropy, masked softmax, RMSNorm, SwiGLU, rope)")
     return ops
 
 

@@ -6,7 +6,7 @@
 - `make_tiny_checkpoint(out_dir, model_type, seed, **config_overrides)`: random N(0, 0.02)
   weights (numpy RNG) + config.json + tokenizer files, saved by models.save_pretrained.
 - Built-in names (`paddletune/tiny-llama`, ...) are generated once into $PADDLETUNE_HOME
-  (default ~/.cache/paddletune) and reused.
+  (default ~/.cache/paddletune) and reused; they carry the "plain" chat template.
 """
 import hashlib
 import json
@@ -31,6 +31,11 @@ BUILTIN = {
                                                 multi_query_group_num=2, seq_length=1024,
                                                 tokenizer="tiny-chatglm-tokenizer")),
 }
+
+# the built-in models' chat template: "plain" renders a {src, tgt} row as exactly the tokens the
+# template-free rule gives, so training on them is unchanged while --chat and
+# apply_chat_template work (data/chat_template.py)
+BUILTIN_CHAT_TEMPLATE = "plain"
 
 
 def train_bpe_tokenizer(out_dir, texts, vocab_size=600, chat_template=None):
@@ -81,13 +86,16 @@ def train_sentencepiece(out_dir, texts, vocab_size=600):
 
 
 def make_tiny_checkpoint(out_dir, model_type="llama", seed=0, tokenizer_dir=TINY_TOKENIZER,
-                         **overrides):
-    """Write a random tiny model of `model_type` with the tokenizer from `tokenizer_dir`."""
+                         chat_template=None, **overrides):
+    """Write a random tiny model of `model_type` with the tokenizer from `tokenizer_dir` (and
+    `chat_template`, a built-in template name, in its tokenizer_config.json)."""
     from . import build_model, get_spec, save_pretrained
     from ..tokenizer import Tokenizer
 
     spec = get_spec(model_type)
     tok = Tokenizer(tokenizer_dir)
+    if chat_template:
+        tok.set_chat_template(chat_template)
     config = dict(spec.tiny_config)
     config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     if "pad_token_id" in spec.tiny_config or tok.pad_token_id is not None:
@@ -103,7 +111,8 @@ def builtin_model_dir(name):
     model_type, overrides = BUILTIN[name]
     overrides = dict(overrides)
     tok_dir = os.path.join(ASSETS, overrides.pop("tokenizer", "tiny-tokenizer"))
-    key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir)], sort_keys=True)
+    key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir), BUILTIN_CHAT_TEMPLATE],
+                     sort_keys=True)
     tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
     path = os.path.join(home, f"{name.split('/')[-1]}-{tag}")
@@ -111,7 +120,8 @@ def builtin_model_dir(name):
         return path
     tmp = temp_dir_beside(path)
     try:
-        make_tiny_checkpoint(tmp, model_type, seed=0, tokenizer_dir=tok_dir, **overrides)
+        make_tiny_checkpoint(tmp, model_type, seed=0, tokenizer_dir=tok_dir,
+                             chat_template=BUILTIN_CHAT_TEMPLATE, **overrides)
         try:
             os.rename(tmp, path)
         except OSError:  # another process finished first; its copy is identical

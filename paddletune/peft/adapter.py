@@ -16,7 +16,7 @@ import math
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .common import (base_name_for_config, check_shapes, freeze, get_module, linear_dims,
+from .common import (base_name_for_config, builtin_name, check_shapes, freeze, get_module, linear_dims,
                      match_modules, read_own, replace_module, save_own)
 
 logger = logging.getLogger("paddletune")
@@ -100,7 +100,8 @@ def apply(model, model_args):
 
 def export_fn(model, model_args, tokenizer=None, peft_type=PEFT_TYPE, extra=None):
     conf = {"adapter_size": model_args.adapter_size, "target_modules": targets_of(model),
-            "base_model_name_or_path": base_name_for_config(model_args.model_name_or_path)}
+            "base_model_name_or_path": base_name_for_config(model_args.model_name_or_path),
+            "paddletune_base_model": builtin_name(model_args.model_name_or_path)}
     conf.update(extra or {})
     return lambda out_dir: save_own(model, out_dir, peft_type, conf, adapter_state(model), tokenizer)
 

@@ -12,7 +12,7 @@ from typing import Tuple
 
 import paddle.nn as nn
 
-from .common import (base_name_for_config, check_shapes, freeze, get_module, linear_dims,
+from .common import (base_name_for_config, builtin_name, check_shapes, freeze, get_module, linear_dims,
                      match_modules, read_own, save_own)
 
 logger = logging.getLogger("paddletune")
@@ -68,7 +68,7 @@ def bias_state(model, targets):
 
 def export_fn(model, model_args, targets, tokenizer=None):
     conf = dict(targets.config(), base_model_name_or_path=base_name_for_config(
-        model_args.model_name_or_path))
+        model_args.model_name_or_path), paddletune_base_model=builtin_name(model_args.model_name_or_path))
     return lambda out_dir: save_own(model, out_dir, PEFT_TYPE, conf, bias_state(model, targets),
                                     tokenizer)
 

@@ -8,6 +8,7 @@ Own format (directory):
 HF-PEFT's adapter_config.json is kept for what torch `peft` can load (LoRA, prefix tuning), so
 torch never tries to read a file it does not understand.
 """
+import json
 import os
 import re
 
@@ -86,14 +87,47 @@ def named_trainable(model, predicate):
     return out
 
 
+BASE_RECORD = "paddletune_base_model.json"   # beside an HF-PEFT adapter trained on a built-in model
+
+
 def base_name_for_config(name_or_path):
-    """What to write as base_model_name_or_path: built-in names as given, local paths absolute so
-    the merge tool finds the base from any working directory."""
+    """What to write as base_model_name_or_path: always a local absolute path, so peft's
+    AutoPeftModelForCausalLM and the merge tools find the base offline from any working
+    directory; a built-in name is resolved to its generated directory (builtin_name keeps the
+    name, in a separate field)."""
+    from ..models import BUILTIN_MODELS, resolve_model_path
+
+    if name_or_path is None:
+        return None
+    if name_or_path in BUILTIN_MODELS:
+        return os.path.abspath(resolve_model_path(name_or_path))
+    return os.path.abspath(name_or_path)
+
+
+def builtin_name(name_or_path):
+    """The built-in model name (paddletune/tiny-llama, ...) an adapter was trained on, else None."""
     from ..models import BUILTIN_MODELS
 
-    if name_or_path is None or name_or_path in BUILTIN_MODELS:
-        return name_or_path
-    return os.path.abspath(name_or_path)
+    return name_or_path if name_or_path in BUILTIN_MODELS else None
+
+
+def write_base_record(out_dir, builtin):
+    """HF-PEFT adapters: the built-in base name goes into a file of its own (adapter_config.json
+    keeps exactly PEFT's keys, which every peft version loads without complaint); it lets a copy
+    of the adapter on another machine regenerate its base (llm/merge_lora_params.py)."""
+    if builtin:
+        write_json(os.path.join(out_dir, BASE_RECORD), {"paddletune_base_model": builtin})
+
+
+def read_builtin_name(adapter_dir, conf):
+    """The built-in base name of a saved adapter: own-format config field, or BASE_RECORD."""
+    if conf.get("paddletune_base_model"):
+        return conf["paddletune_base_model"]
+    path = os.path.join(adapter_dir, BASE_RECORD)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f).get("paddletune_base_model")
+    return None
 
 
 def save_own(model, out_dir, peft_type, config, state, tokenizer=None):

@@ -28,7 +28,7 @@ import paddle.nn.functional as F
 
 from ..io import publish_into, write_json
 from ..models import hf
-from .common import (base_name_for_config, freeze, get_module, linear_dims, match_modules,
+from .common import (base_name_for_config, builtin_name, write_base_record, freeze, get_module, linear_dims, match_modules,
                      read_config, replace_module)
 
 logger = logging.getLogger("paddletune")
@@ -159,8 +159,9 @@ def target_modules_for_config(model, names):
     return "(?:" + "|".join(sorted(n.replace(".", r"\.") for n in names)) + ")"
 
 
-def save(model, out_dir, base_model_name_or_path=None, tokenizer=None):
-    """Write the adapter (HF-PEFT layout) into out_dir; other files there are kept."""
+def save(model, out_dir, base_model_name_or_path=None, tokenizer=None, builtin=None):
+    """Write the adapter (HF-PEFT layout) into out_dir; other files there are kept. `builtin`:
+    the built-in base name, recorded beside (common.write_base_record)."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA adapters to save")
@@ -176,6 +177,7 @@ def save(model, out_dir, base_model_name_or_path=None, tokenizer=None):
         hf.write_safetensors(os.path.join(tmp, WEIGHTS), hf.peft_state_to_hf(model.spec, state))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        write_base_record(tmp, builtin)
         write_json(os.path.join(tmp, CONFIG), conf)
     return out_dir
 
@@ -294,7 +296,8 @@ def apply(model, model_args):
 
 def export_fn(model, model_args, tokenizer=None):
     base = base_name_for_config(model_args.model_name_or_path)
-    return lambda out_dir: save(model, out_dir, base, tokenizer)
+    builtin = builtin_name(model_args.model_name_or_path)
+    return lambda out_dir: save(model, out_dir, base, tokenizer, builtin)
 
 
 def setup(model, model_args, tokenizer=None):

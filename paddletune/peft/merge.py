@@ -19,6 +19,7 @@ import numpy as np
 from ..io import atomic_dir, write_json
 from ..models import hf
 from . import lora as lora_mod
+from .common import read_builtin_name
 
 logger = logging.getLogger("paddletune")
 
@@ -54,6 +55,9 @@ def resolve_base(lora_path, conf, base_path=None):
     from ..models import resolve_model_path
 
     name = base_path or conf.get("base_model_name_or_path")
+    builtin = read_builtin_name(lora_path, conf)
+    if not base_path and builtin and not (name and os.path.isdir(name)):
+        name = builtin   # a built-in base whose generated directory is not here: made again
     if not name:
         raise ValueError(f"{lora_path}/adapter_config.json has no base_model_name_or_path; pass "
                          "--model_name_or_path BASE_DIR")

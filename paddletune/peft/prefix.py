@@ -29,7 +29,7 @@ import paddle.nn as nn
 from ..io import publish_into, write_json
 from ..models import hf
 from ..models.cache import PrefixCache
-from .common import base_name_for_config, freeze, read_config
+from .common import base_name_for_config, builtin_name, freeze, read_config, write_base_record
 
 logger = logging.getLogger("paddletune")
 CONFIG = "adapter_config.json"
@@ -109,7 +109,7 @@ def new_encoder(model, num_tokens, projection=False, hidden=-1):
 
 # ------------------------------------------------------------------------------ files
 
-def save(model, out_dir, base_model_name_or_path=None, tokenizer=None):
+def save(model, out_dir, base_model_name_or_path=None, tokenizer=None, builtin=None):
     enc = model.prefix_encoder
     keys, values = (t.numpy().astype(np.float32) for t in enc.kv())
     L, K, D = enc.layout
@@ -123,6 +123,7 @@ def save(model, out_dir, base_model_name_or_path=None, tokenizer=None):
                              {"prompt_embeddings": hf.prefix_to_peft(keys, values)})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        write_base_record(tmp, builtin)
         write_json(os.path.join(tmp, CONFIG), conf)
     return out_dir
 
@@ -181,7 +182,8 @@ def apply(model, model_args):
 
 def export_fn(model, model_args, tokenizer=None):
     base = base_name_for_config(model_args.model_name_or_path)
-    return lambda out_dir: save(model, out_dir, base, tokenizer)
+    builtin = builtin_name(model_args.model_name_or_path)
+    return lambda out_dir: save(model, out_dir, base, tokenizer, builtin)
 
 
 def setup(model, model_args, tokenizer=None):

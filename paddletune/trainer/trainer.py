@@ -51,18 +51,37 @@ class MapStyleSource:
 
 
 class Trainer:
-    """Trainer(model, args, train_dataset, eval_dataset, tokenizer, export_fn=...).train()
+    """The training loop, callable two ways.
 
-    export_fn(out_dir) writes the final model (HF directory, or adapter files for PEFT); it
-    defaults to models.save_pretrained. `trainable` ({name: param}) defaults to every parameter
-    with stop_gradient False. `train_source` replaces the default MapStyleSource (packing, lazy
-    data). `callbacks` are called as cb(trainer, step_info) after every optimizer step.
-    `topology` is the parallel.Topology of this process (default: parallel.init(args)).
-    `checkpoint_meta` (JSON-able) is written into every checkpoint as meta.json."""
+    Public (paddletune.Trainer; trainer/inputs.py turns what you pass into the parts below):
+        trainer = Trainer(args, model, tokenizer=None, train_dataset=None, eval_dataset=None)
+        trainer.train(); trainer.evaluate(); trainer.predict(["prompt", ...])
+      args: TrainingArguments, the tuple parse_args returns, or a JSON argument file; model: a paddle model (paddletune.load_model) or a model name / directory (loaded,
+      PEFT from the arguments applied, as llm/finetune_generation.py does); datasets: rows
+      ({"src", "tgt"} or {"messages"}), lists of token ids, or {"input_ids", "labels"} dicts.
+      Checkpoints, resume (a rerun continues from output_dir's latest checkpoint) and launching
+      (paddle.distributed.launch) behave as in the script.
+    Parts (the script's order): Trainer(model, args, train_dataset, eval_dataset, tokenizer,
+      export_fn=...). export_fn(out_dir) writes the final model (HF directory, or adapter files
+      for PEFT); it defaults to models.save_pretrained. `trainable` ({name: param}) defaults to
+      every parameter with stop_gradient False. `train_source` replaces the default
+      MapStyleSource (packing, lazy data). `callbacks` are called as cb(trainer, step_info) after
+      every optimizer step. `topology` is the parallel.Topology of this process (default:
+      parallel.init(args)). `checkpoint_meta` (JSON-able) is written into every checkpoint as
+      meta.json."""
 
-    def __init__(self, model, args, train_dataset=None, eval_dataset=None, tokenizer=None,
-                 export_fn=None, trainable=None, collate=None, train_source=None, callbacks=(),
-                 lr_scales=None, loss_fn=None, eval_fn=None, topology=None, checkpoint_meta=None):
+    def __init__(self, *positional, **kwargs):
+        if positional and isinstance(positional[0], paddle.nn.Layer):
+            self._setup(*positional, **kwargs)   # the script's order: (model, args, ...)
+        else:
+            from .inputs import public_inputs
+
+            self._setup(**public_inputs(*positional, **kwargs))
+
+    def _setup(self, model, args, train_dataset=None, eval_dataset=None, tokenizer=None,
+               export_fn=None, trainable=None, collate=None, train_source=None, callbacks=(),
+               lr_scales=None, loss_fn=None, eval_fn=None, topology=None, checkpoint_meta=None,
+               generation=None):
         self.model, self.args, self.tokenizer = model, args, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.topo = topology if topology is not None else parallel.init(args)
@@ -101,6 +120,8 @@ class Trainer:
         self.main = self.topo.is_main
         runtime.reuse_freed_memory()   # training speed: no page faults for every new tensor
         self._last_norm, self._last_lr = None, 0.0
+        self._weights_at = None     # the step whose weights the model holds (None: not trained here)
+        self.generation = generation   # GenerationConfig of predict() (default: greedy, 64 tokens)
         self.model.recompute = bool(args.recompute)
         self.model.recompute_granularity = args.recompute_granularity
 
@@ -234,7 +255,7 @@ class Trainer:
         total = self.total_steps()
         warmup = a.warmup_steps if a.warmup_steps > 0 else math.ceil(a.warmup_ratio * total)
         if a.resume_from_checkpoint:
-            self._resume(a.resume_from_checkpoint)
+            self._log_resume(self._resume(a.resume_from_checkpoint), total, source.steps_per_epoch)
         self._log_start(total)
         if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
             ckpt.warn_space(a.output_dir, (total - self.state["global_step"]) // a.save_steps,
@@ -250,6 +271,7 @@ class Trainer:
                 lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
                 loss, norm, ntgt, ntok = self.training_step(micro, lr)
                 st["global_step"] += 1
+                self._weights_at = st["global_step"]
                 spe = source.steps_per_epoch
                 done = spe is not None and s + 1 == spe
                 st["epoch"], st["step_in_epoch"] = (epoch + 1, 0) if done else (epoch, s + 1)
@@ -335,9 +357,46 @@ class Trainer:
             logger.info("trainable params: {:,} / {:,} ({:.2%})".format(n_train, n_all, n_train / max(n_all, 1)))
 
     # ---------------------------------------------------------------- eval
+    def predict(self, prompts, **generation):
+        """Answers (strings) of the model for `prompts`: a string, a list of strings or chat
+        messages; generation keywords (max_new_tokens, decode_strategy, ...) override the
+        GenerateArgument defaults. See trainer/inputs.py."""
+        from .inputs import predict
+
+        return predict(self, prompts, **generation)
+
+    def _log_resume(self, path, total, steps_per_epoch):
+        """One prominent line: what a (re)run continues from and what is left."""
+        if not self.main:
+            return
+        st, a = self.state, self.args
+        step = st["global_step"]
+        where = f"step {step} of {total}"
+        if steps_per_epoch:
+            where += (f", epoch {st['epoch'] + st['step_in_epoch'] / steps_per_epoch:.2f} of "
+                      f"{total / steps_per_epoch:.2f}")
+        left = (f"{total - step} steps left to train" if step < total else
+                "nothing left to train: the model is exported (and evaluated) again")
+        logger.warning("RESUMING from %s (%s): %s; set overwrite_output_dir: true to train from the "
+                       "start", path, where, left)
+
+    def _logged_eval(self, step):
+        """The metrics logged for an evaluation of the weights of `step`, or None."""
+        if step is None:
+            return None
+        for rec in reversed(self.state["log_history"]):
+            if rec.get("step") == step and any(k.startswith("eval_") for k in rec):
+                return {k[5:]: v for k, v in rec.items() if k.startswith("eval_")}
+        return None
+
     @paddle.no_grad()
     def evaluate(self):
-        """Dev-set loss, ppl, token accuracy (argmax at labelled positions), summed over ranks."""
+        """Dev-set loss, ppl, token accuracy (argmax at labelled positions), summed over ranks.
+        Weights already evaluated (the last step's, or the best checkpoint's after
+        load_best_model_at_end) return their logged metrics: each evaluation is logged once."""
+        logged = self._logged_eval(self._weights_at)
+        if logged is not None:
+            return logged
         a, ds = self.args, self.eval_dataset
         was_training = self.model.training
         self.model.eval()
@@ -537,8 +596,21 @@ class Trainer:
                            "are not carried over, they continue from the seed",
                            self.topo.describe(), ", ".join(f"{k}={v}" for k, v in degrees.items()))
         self.state.update(state)
-        if self.main:
-            logger.info("resumed from %s at step %d", path, self.state["global_step"])
+        self._weights_at = self.state["global_step"]
+        if self.main:   # the log holds what the checkpoint saw: later steps' records are dropped
+            self._rewrite_log(self.state["log_history"])
+        return path
+
+    def _rewrite_log(self, records):
+        """train_log.jsonl := `records` (atomic: written beside, then renamed). After a resume the
+        steps after the checkpoint are trained again, so their old records would be duplicates."""
+        path = os.path.join(self.args.output_dir, "train_log.jsonl")
+        if not os.path.exists(path):
+            return
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in records)
+        os.replace(tmp, path)
 
     def _check_resume_layout(self, state, path):
         """Another layout may resume a checkpoint as long as every step sees the same data: the
@@ -580,6 +652,7 @@ class Trainer:
                 reader = ckpt.CheckpointReader(path)
                 self._load_trainable(reader, path)
                 reader.release()
+                self._weights_at = st["best_step"]
                 if self.main:
                     logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
                                 st["best_metric"], path)
