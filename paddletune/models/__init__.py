@@ -74,9 +74,10 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {expect} (paddle layout)")
     for name, m in quantized.items():
-        if reader.shape(name) != [m.out_features, m.in_features]:
+        if hf.paddle_shape(spec, name, reader.shape(name)) != [m.in_features, m.out_features]:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
-                             f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
+                             f"checkpoint, the model expects "
+                             f"{hf.hf_shape(spec, name, [m.in_features, m.out_features])} (HF layout)")
 
 
 def load_weights(model, path, spec=None, reader=None, params=None):
@@ -97,7 +98,7 @@ def load_weights(model, path, spec=None, reader=None, params=None):
         p.set_value(hf.read_slice(reader, spec, name).astype(np.float32, copy=False))
         _unmap(reader, name)
     for name, m in quantized.items():
-        m.set_weight(reader.get(name))
+        m.set_weight(hf.read_torch_linear(reader, spec, name))
         _unmap(reader, name)
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
     extra = [k for k in reader.keys() if k not in params and k not in quantized

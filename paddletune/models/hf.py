@@ -2,7 +2,9 @@
 
 This is the only module that converts weight layouts (DESIGN.md rule 7): HF/torch Linear weights
 are [out, in], paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight
-except the names in `ModelSpec.not_linear` (embeddings), which keep their layout. Code elsewhere
+except the names in `ModelSpec.not_linear` (embeddings), which keep their layout; Linear weights
+whose checkpoint stores them [in, out] already (GPT-2's Conv1D: `ModelSpec.stored_in_out`) keep
+theirs too. Code elsewhere
 that moves a Linear weight (or its shape) between the two layouts calls:
     linear_to_hf(w) / linear_to_paddle(w)        one Linear weight (numpy array or paddle tensor)
     to_hf_layout / to_paddle_layout(spec, name, arr)   any named tensor (only Linear weights change)
@@ -16,6 +18,7 @@ torch. Pickle formats (.bin, .pdparams) are refused; tools/convert_checkpoint.py
 import glob
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -241,7 +244,18 @@ def linear_to_paddle(w):
 
 
 def is_linear_weight(spec, name, ndim):
-    return ndim == 2 and name.endswith(".weight") and name not in spec.not_linear
+    """True when tensor `name` is a Linear weight the HF checkpoint holds as [out, in], i.e. one
+    whose layout differs from paddle's [in, out] (not an embedding, not a Conv1D weight)."""
+    if ndim != 2 or not name.endswith(".weight") or name in spec.not_linear:
+        return False
+    return not any(re.fullmatch(p, name) for p in getattr(spec, "stored_in_out", ()))
+
+
+def read_torch_linear(reader, spec, name):
+    """Linear weight `name` from the checkpoint in torch layout [out, in] (what quantizers take),
+    whatever layout the checkpoint stores it in."""
+    arr = reader.get(name)
+    return arr if is_linear_weight(spec, name, arr.ndim) else linear_to_hf(arr)
 
 
 def to_paddle_layout(spec, name, arr):

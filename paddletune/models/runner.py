@@ -9,6 +9,10 @@ A family's model class subclasses `CausalLM` and defines only its parts (as HF n
                              the input embedding (logits = h @ E^T)
     rope_tables(positions)   the family's rotary tables for positions [B, S]: an object with
                              `apply_heads_first(x [B, S, heads, D], scale) -> [B, heads, S, D]`
+                             (default layers.NoRotary: families without rotary positions)
+    finish_embedding(h, ctx) optional: what follows the token lookup before the first block
+                             (learned absolute positions from ctx.positions, an embedding norm);
+                             default: nothing
 
 Everything else lives here, once: positions, the attention structure (causal / padding mask or
 packed rows), the KV cache and the learned prefix (`cache_hook`), embedding noise
@@ -27,7 +31,7 @@ import paddle
 import paddle.nn as nn
 
 from .cache import PrefixCache
-from .layers import attention_bias
+from .layers import NoRotary, attention_bias
 
 
 @dataclass
@@ -48,12 +52,14 @@ class BlockContext:
     cache: KVCache (generation), PrefixCache (prefix tuning) or None
     flash: whether packed rows may use the GPU varlen flash-attention kernel
     dropout: f(probs [B, K, g*S, T], p, training) for attention dropout, or None (F.dropout);
-           tensor parallelism passes one that draws the one-process mask over all heads"""
+           tensor parallelism passes one that draws the one-process mask over all heads
+    positions: position ids [B, S] of this forward's tokens (learned position embeddings)"""
     rope: object
     mask: object = None
     cache: object = None
     flash: bool = False
     dropout: object = None
+    positions: object = None
 
 
 class CausalLM(nn.Layer):
@@ -86,7 +92,11 @@ class CausalLM(nn.Layer):
         raise NotImplementedError
 
     def rope_tables(self, position_ids):
-        raise NotImplementedError
+        return NoRotary()
+
+    def finish_embedding(self, h, ctx):
+        """h [B, S, H] token embeddings (after embedding_hook) -> the first block's input."""
+        return h
 
     # ------------------------------------------------------------------ the runner
     def logits(self, h):
@@ -107,7 +117,7 @@ class CausalLM(nn.Layer):
             position_ids = paddle.arange(past, past + seq, dtype="int64").unsqueeze(0).expand([batch, seq])
         mask = attention_bias(batch, seq, past, attention_mask, segment_ids, dtype=dtype)
         return BlockContext(self.rope_tables(position_ids), mask, cache, self.flash_attention,
-                            self.heads_dropout)
+                            self.heads_dropout, position_ids)
 
     def embed(self, input_ids):
         h = self.get_input_embeddings()(input_ids)
@@ -134,7 +144,7 @@ class CausalLM(nn.Layer):
         B, S = input_ids.shape
         h = self.embed(input_ids)
         ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype)
-        h = self.run_layers(h, ctx)
+        h = self.run_layers(self.finish_embedding(h, ctx), ctx)
         if ctx.cache is not None:
             ctx.cache.advance(S)
         h = self.final_norm()(h)

@@ -14,7 +14,7 @@ class ModelSpec:
     model_cls: type                    # a runner.CausalLM subclass: the family's parts only
     architectures: Tuple[str, ...]     # config.json "architectures" written on save
     # HF tensor names of 2-D weights that are NOT nn.Linear weights (embeddings): hf.py transposes
-    # every other 2-D ".weight" between HF [out, in] and paddle [in, out].
+    # every other 2-D ".weight" between HF [out, in] and paddle [in, out] (but see stored_in_out).
     not_linear: Tuple[str, ...]
     # Default LoRA targets: regexes over module names (peft issue), e.g. r".*\.q_proj$".
     lora_targets: Tuple[str, ...]
@@ -46,6 +46,9 @@ class ModelSpec:
     # conversion_fixups(src_dir, config, overrides) -> {key: value}: config keys a checkpoint
     # converted by tools/convert_checkpoint.py must gain (facts the source files state elsewhere)
     conversion_fixups: Optional[Callable] = None
+    # regexes (full match) over HF tensor names of Linear weights the checkpoint already stores as
+    # [in, out], paddle's layout (GPT-2's Conv1D c_attn / c_proj / c_fc): hf.py keeps their layout
+    stored_in_out: Tuple[str, ...] = ()
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
@@ -56,13 +59,19 @@ def register(spec: ModelSpec):
     return spec
 
 
-def get_spec(model_type: str) -> ModelSpec:
-    from . import llama  # noqa: F401  (registers llama, qwen2, mistral)
+# the model files, each registering its ModelSpec(s) on import
+FAMILIES = ("llama", "chatglm2", "gpt2", "opt", "bloom", "baichuan", "qwen", "chatglm")
 
-    try:
-        from . import chatglm2  # noqa: F401
-    except ImportError:
-        pass
+
+def get_spec(model_type: str) -> ModelSpec:
+    import importlib
+
+    for name in FAMILIES:
+        try:
+            importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as e:   # a family file not written yet / an optional dependency
+            if e.name != f"{__package__}.{name}" and name != "chatglm2":
+                raise
     if model_type not in _REGISTRY:
         raise ValueError(
             f"model_type '{model_type}' is not supported; supported: {sorted(_REGISTRY)}")
