@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import paddle
 import paddle.nn as nn
 
-from .layers import activation, attention, dropout
+from .layers import activation, attention, check_positions, dropout
 from .runner import CausalLM
 from .spec import ModelSpec, register
 
@@ -177,14 +177,6 @@ class GPT2LMHeadModel(CausalLM):
         check_positions(ctx.positions, self.config.n_positions, "n_positions")
         h = h + self.transformer.wpe(ctx.positions).astype(h.dtype)
         return dropout(h, self.config.embd_pdrop, self.training)
-
-
-def check_positions(positions, limit, key):
-    """Learned position tables have `limit` rows: a longer sequence is an error, not a crash."""
-    top = int(positions.max()) if positions.shape[-1] else 0
-    if top >= limit:
-        raise ValueError(f"position {top} is past the model's learned positions ({key}={limit}); "
-                         f"shorten the sequence (max_length / src_length + max_new_tokens)")
 
 
 def _prefix_layout(cfg):

@@ -165,6 +165,15 @@ class NoRotary:
         return (x if scale == 1.0 else x * scale).transpose([0, 2, 1, 3])
 
 
+def check_positions(positions, limit, key):
+    """Learned position tables have `limit` rows: a position past them is an error naming the
+    config key, not an index crash."""
+    top = int(positions.max()) if positions.shape[-1] else 0
+    if top >= limit:
+        raise ValueError(f"position {top} is past the model's learned positions ({key}={limit}); "
+                         "shorten the sequence (max_length / src_length + max_new_tokens)")
+
+
 def alibi_slopes(num_heads):
     """ALiBi slopes [num_heads] (float32, Press et al.): for n a power of two, head h (1-based)
     gets 2^(-8h/n); otherwise the n' = 2^floor(log2 n) slopes of n' heads, then the odd-indexed
