@@ -212,9 +212,11 @@ def _prefix_layout(cfg):
 
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# q_norm / k_norm (Qwen3) are [D] weights shared by every head: "partial", their gradient from a
+# rank's own heads is summed over the ranks
 _TP_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
             "gate_proj": "column", "up_proj": "column", "down_proj": "row",
-            "embed_tokens": "vocab", "lm_head": "column"}
+            "embed_tokens": "vocab", "lm_head": "column", "q_norm": "partial", "k_norm": "partial"}
 
 
 def _tp_parts(cfg):
