@@ -93,8 +93,23 @@ _BAICHUAN2 = (
     "{% elif m['role'] == 'user' %}<reserved_106>{{ m['content'] }}"
     "{% else %}<reserved_107>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<reserved_107>{% endif %}")
+# ChatGLM-6B (v1): "[Round 0]\n问：Q\n答：A\n[Round 1]\n问：...", rounds from 0, the separator
+# written before the next round (as chatglm2 above; EOS is then the end-of-turn token)
+_CHATGLM = (
+    "{% set ns = namespace(i=0, text=false) %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}{% set ns.text = true %}"
+    "{% elif m['role'] == 'user' %}{% if ns.text %}{{ '\\n' }}{% endif %}"
+    "[Round {{ ns.i }}]\n问：{{ m['content'] }}\n答：{% set ns.i = ns.i + 1 %}{% set ns.text = true %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+# Base models without a published chat format (GPT-2 / GPT-3, OPT, Bloom): PaddleNLP's src + tgt
+# concatenation, each answer closed by EOS
+_PLAIN = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{{ '\\n\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 BUILTIN_TEMPLATES = {"llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
-                     "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3, "baichuan2": _BAICHUAN2}
+                     "chatglm": _CHATGLM, "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3,
+                     "baichuan2": _BAICHUAN2, "plain": _PLAIN}
 
 
 # ----------------------------------------------------------------------------- jinja environment

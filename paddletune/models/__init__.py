@@ -13,10 +13,11 @@ import paddle
 from ..io import publish_into, read_json, write_json
 from . import hf
 from .spec import ModelSpec, get_spec, registered_types  # noqa: F401
+from .tiny import BUILTIN as _BUILTIN
 
 logger = logging.getLogger("paddletune")
 
-BUILTIN_MODELS = ("paddletune/tiny-llama", "paddletune/tiny-qwen2", "paddletune/tiny-chatglm2")
+BUILTIN_MODELS = tuple(_BUILTIN)   # built-in tiny model names (models/tiny.py)
 
 
 def resolve_model_path(name_or_path, key="model_name_or_path"):

@@ -69,6 +69,9 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d):
         mt = d.get("model_type", "llama")
+        if d.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window is true; sliding-window attention is "
+                             "not built (set it to false to attend over the whole sequence)")
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         cfg = cls(
