@@ -21,10 +21,9 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-import paddle
 import paddle.nn as nn
 
-from .layers import activation, alibi_slopes, attention, dropout
+from .layers import HeadSlopes, activation, attention, dropout
 from .runner import CausalLM
 from .spec import ModelSpec, register
 
@@ -79,19 +78,6 @@ class BloomConfig:
     head_dim = property(lambda self: self.hidden_size // self.n_head)
     intermediate_size = property(lambda self: 4 * self.hidden_size)
     max_position_embeddings = property(lambda self: self.raw.get("seq_length", 2048))
-
-
-class HeadSlopes:
-    """ALiBi slopes of a slice of the heads, as paddle tensors made once per slice."""
-
-    def __init__(self, num_heads):
-        self.all = alibi_slopes(num_heads)
-        self._made = {}
-
-    def get(self, first, count):
-        if (first, count) not in self._made:
-            self._made[(first, count)] = paddle.to_tensor(self.all[first:first + count])
-        return self._made[(first, count)]
 
 
 class BloomAttention(nn.Layer):

@@ -186,6 +186,35 @@ def alibi_slopes(num_heads):
     return np.asarray(slopes, np.float32)
 
 
+class HeadSlopes:
+    """ALiBi slopes of num_heads heads; `get(first, count)` -> the slopes of heads first ..
+    first+count-1 as a float32 tensor (made once per slice: a tensor-parallel rank asks for its own)."""
+
+    def __init__(self, num_heads):
+        self.all = alibi_slopes(num_heads)
+        self._made = {}
+
+    def get(self, first, count):
+        if (first, count) not in self._made:
+            self._made[(first, count)] = paddle.to_tensor(self.all[first:first + count])
+        return self._made[(first, count)]
+
+
+class NormHead(nn.Linear):
+    """An LM head whose vocabulary vectors are unit-normalised in every forward (Baichuan2):
+    logits = h @ weight_transform(W), W [H, V] (paddle layout), each column v divided by its
+    L2 norm (the rows of the HF weight [V, H]). `weight_transform` is the one place the
+    normalisation is written: the loss's chunked head (models/loss.py) and tensor parallelism's
+    column executor (on the rank's columns) apply it to the weight they read."""
+
+    @staticmethod
+    def weight_transform(w):
+        return F.normalize(w, p=2, axis=0)
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight_transform(self.weight))
+
+
 # ------------------------------------------------------------------------------------- attention
 
 def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dtype="float32"):

@@ -149,9 +149,11 @@ def sliced_dropout(x, p, axis, tp, training=True):
 # ------------------------------------------------------------------------------ executors
 
 def _linear(layer, x):
-    """x @ W without the bias: paddle Linear (W local [in, out]) or a quantized linear."""
+    """x @ W without the bias: paddle Linear (W local [in, out], through the layer's
+    `weight_transform` when it has one: layers.NormHead) or a quantized linear."""
     if isinstance(layer, nn.Linear):
-        return paddle.matmul(x, layer.weight)
+        transform = getattr(layer, "weight_transform", None)
+        return paddle.matmul(x, layer.weight if transform is None else transform(layer.weight))
     return layer.algo.matmul(x, layer)
 
 
