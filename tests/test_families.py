@@ -85,11 +85,12 @@ def test_export_loads_in_transformers(tmp_path, kind):
     assert rel_err(ours, ref) <= 1e-5
 
 
-LEARN = ["qwen3", "gpt2", "opt", "bloom"]
+LEARN = {"qwen3": {}, "gpt2": {}, "opt": {}, "bloom": {}, "baichuan": {},
+         "baichuan_alibi": {"position_embedding": "alibi"}, "qwen": {}}
 
 
-@pytest.mark.parametrize("model_type", LEARN)
-def test_lora_learns_copy_pairs(tmp_path, model_type):
+@pytest.mark.parametrize("name", list(LEARN))
+def test_lora_learns_copy_pairs(tmp_path, name):
     """16 random-token copy pairs, LoRA (the family's default targets, r=8) on a random tiny model:
     greedy (teacher-forced argmax) accuracy on every target token reaches 100%."""
     from conftest import copy_pairs, token_accuracy, training_args
@@ -98,9 +99,10 @@ def test_lora_learns_copy_pairs(tmp_path, model_type):
     from paddletune.models import build_model, get_spec
     from paddletune.trainer import Trainer
 
+    model_type = name.split("_")[0]
     paddle.seed(0)
-    model = build_model(dict(get_spec(model_type).tiny_config, vocab_size=600, initializer_range=0.1),
-                        seed=0)
+    model = build_model(dict(get_spec(model_type).tiny_config, vocab_size=600, initializer_range=0.1,
+                             **LEARN[name]), seed=0)
     data = copy_pairs()
     assert token_accuracy(model, data) < 0.2
     setup = peft.apply(model, ModelArgument(model_name_or_path="unused", lora=True, lora_rank=8))

@@ -209,3 +209,55 @@ def test_norm_head_chunked_loss_and_gradients_equal_full_logits(tmp_path):
     (l1, g1), (l2, g2) = got["chunked"], got["full"]
     assert abs(l1 - l2) <= 1e-5 * abs(l2)
     assert max(rel_err(g1[k], g2[k]) for k in g2) <= 1e-5 and np.abs(g2["lm_head.weight"]).max() > 0
+
+
+def qwen_from_qwen2(tmp_path):
+    """(qwen (1) dir, qwen2 oracle): the published Qwen layout from a transformers Qwen2."""
+    _, q2 = hf_checkpoint(tmp_path / "qwen2", "qwen2", tokenizer_dir=None, num_key_value_heads=N,
+                          intermediate_size=I, tie_word_embeddings=False, seed=6)
+    with torch.no_grad():   # non-zero q/k/v biases and norms
+        for name, p in q2.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    sd = {k: v.numpy() for k, v in q2.state_dict().items() if not k.endswith("inv_freq")}
+    out = {"transformer.wte.weight": sd["model.embed_tokens.weight"],
+           "transformer.ln_f.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(L):
+        s, t = f"model.layers.{i}.", f"transformer.h.{i}."
+        for leaf in ("weight", "bias"):
+            out[t + f"attn.c_attn.{leaf}"] = np.concatenate(
+                [sd[s + f"self_attn.{x}_proj.{leaf}"] for x in "qkv"], 0)
+        out.update({t + "attn.c_proj.weight": sd[s + "self_attn.o_proj.weight"],
+                    t + "ln_1.weight": sd[s + "input_layernorm.weight"],
+                    t + "ln_2.weight": sd[s + "post_attention_layernorm.weight"],
+                    t + "mlp.w1.weight": sd[s + "mlp.up_proj.weight"],
+                    t + "mlp.w2.weight": sd[s + "mlp.gate_proj.weight"],
+                    t + "mlp.c_proj.weight": sd[s + "mlp.down_proj.weight"]})
+    cfg = {"model_type": "qwen", "architectures": ["QWenLMHeadModel"], "vocab_size": 600,
+           "hidden_size": H, "intermediate_size": 2 * I, "num_hidden_layers": L,
+           "num_attention_heads": N, "kv_channels": H // N, "layer_norm_epsilon": 1e-6,
+           "rotary_emb_base": 10000, "rotary_pct": 1.0, "seq_length": 64, "use_dynamic_ntk": True,
+           "use_logn_attn": True, "no_bias": True, "bos_token_id": 1, "eos_token_id": 2}
+    return write_mapped(tmp_path / "qwen", cfg, out), q2
+
+
+def test_qwen1_equals_mapped_qwen2(tmp_path):
+    path, q2 = qwen_from_qwen2(tmp_path)
+    ids = ids_for(20)
+    with torch.no_grad():
+        ref = q2(torch.tensor(ids)).logits.numpy()
+    model = load_model(path)
+    assert rel_err(model(paddle.to_tensor(ids)).logits.numpy(), ref) <= 1e-4
+    cache = KVCache.for_model(model, 2, 30)
+    logits = model(paddle.to_tensor(ids[:, :10]), cache=cache).logits
+    seq = ids[:, :10]
+    for _ in range(8):
+        nxt = logits[:, -1].argmax(-1).numpy()[:, None]
+        seq = np.concatenate([seq, nxt], 1)
+        logits = model(paddle.to_tensor(nxt), cache=cache).logits
+    with torch.no_grad():
+        want = q2.generate(torch.tensor(ids[:, :10]), max_new_tokens=8, do_sample=False,
+                           min_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    assert np.array_equal(seq, want.numpy())
+    with pytest.raises(ValueError, match="seq_length"):   # past seq_length: NTK / logn not built
+        model(paddle.to_tensor(ids_for(70)))

@@ -24,6 +24,9 @@ CASES = {   # name -> (checkpoint kind, train_case kwargs)
     "opt_sft": ("opt", {}),
     "bloom_sft": ("bloom", {}),
     "bloom_lora": ("bloom", {"method": "lora", "lr": 2e-2}),
+    "baichuan2_7b_sft": ("baichuan", {}),
+    "baichuan2_13b_alibi_lora": ("baichuan13b", {"method": "lora", "lr": 2e-2}),
+    "qwen_sft": ("qwen", {}),
 }
 # a weight per family: (name, axis split, global shape)
 HALVED = {
@@ -35,15 +38,28 @@ HALVED = {
             ("model.decoder.layers.0.fc2.weight", 0), ("model.decoder.embed_tokens.weight", 0)],
     "bloom": [("transformer.h.0.self_attention.query_key_value.weight", 1),
               ("transformer.h.0.mlp.dense_4h_to_h.weight", 0), ("transformer.word_embeddings.weight", 0)],
+    "baichuan": [("model.layers.0.self_attn.W_pack.weight", 1), ("lm_head.weight", 1),
+                 ("model.layers.0.self_attn.o_proj.weight", 0)],
+    "qwen": [("transformer.h.0.attn.c_attn.weight", 1), ("transformer.h.0.mlp.w2.weight", 1),
+             ("transformer.h.0.mlp.c_proj.weight", 0), ("lm_head.weight", 1)],
 }
+HALVED["baichuan13b"] = HALVED["baichuan"]
 FUSED = {"gpt2": ["transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_attn.bias"],
+         "baichuan13b": ["model.layers.1.self_attn.W_pack.weight"],
          "bloom": ["transformer.h.1.self_attention.query_key_value.weight",
                    "transformer.h.1.self_attention.query_key_value.bias"]}
 
 
 def _checkpoints(base):
-    return {kind: hf_family(base / f"ck_{kind}", kind, seed=i)[0]
-            for i, kind in enumerate(HALVED)}
+    from paddletune.models.tiny import make_tiny_checkpoint
+
+    out = {kind: hf_family(base / f"ck_{kind}", kind, seed=i)[0]
+           for i, kind in enumerate(("qwen3", "gpt2", "opt", "bloom"))}
+    for seed, (kind, mt, extra) in enumerate((("baichuan", "baichuan", {}),
+                                              ("baichuan13b", "baichuan", {"position_embedding": "alibi"}),
+                                              ("qwen", "qwen", {}))):
+        out[kind] = make_tiny_checkpoint(str(base / f"ck_{kind}"), mt, seed=10 + seed, **extra)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,4 +135,15 @@ def test_fused_attention_slices_and_alibi_slopes(runs):
         assert set(res["offsets"].values()) == {2 * r}
         assert res["slopes"] and all(np.allclose(s, alibi_slopes(N)[2 * r:2 * r + 2]) for s in res["slopes"].values())
         assert len(res["slopes"]) == 2      # every block's attention
+    # Baichuan2-13B: W_pack (HF [3H, H]) = [q | k | v] rows, each part cut by heads, ALiBi slopes
+    # of the rank's heads
+    bc = CheckpointReader(cks["baichuan13b"])
+    w = bc.get("model.layers.1.self_attn.W_pack.weight")
+    for r, res in enumerate(got["held_baichuan13b"]):
+        rows = np.concatenate([np.arange(p * H + r * H // 2, p * H + (r + 1) * H // 2) for p in range(3)])
+        np.testing.assert_array_equal(np.array(res["local"]["model.layers.1.self_attn.W_pack.weight"], np.float32),
+                                      w[rows].T)
+        assert set(res["offsets"].values()) == {2 * r}
+        assert len(res["slopes"]) == 2 and all(np.allclose(s, alibi_slopes(N)[2 * r:2 * r + 2])
+                                               for s in res["slopes"].values())
     assert D * N == H

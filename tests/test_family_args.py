@@ -18,6 +18,8 @@ FAMILIES = {   # folder -> (built-in model, LoRA target module names, transforme
     "gpt-3": ("paddletune/tiny-gpt2", ["c_attn", "c_fc", "c_proj"], True),
     "opt": ("paddletune/tiny-opt", ["fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"], True),
     "bloom": ("paddletune/tiny-bloom", ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"], True),
+    "baichuan2": ("paddletune/tiny-baichuan2", ["W_pack", "down_proj", "gate_proj", "o_proj", "up_proj"], False),
+    "qwen": ("paddletune/tiny-qwen", ["c_attn", "c_proj", "w1", "w2"], False),
 }
 
 
@@ -62,8 +64,20 @@ def test_lora_file_runs_and_torch_peft_loads_the_adapter(tmp_path, folder):
 
 @pytest.mark.parametrize("folder", list(FAMILIES))
 def test_sft_file_runs(tmp_path, folder):
+    """Full fine-tuning: the export has the family's architecture and loads back (in our loader;
+    in transformers too where it has the family) with the trained model's logits."""
+    from paddletune.models import get_spec, load_model
+
     out = str(tmp_path / "out")
     run(folder, "sft", out)
     saved = json.load(open(os.path.join(out, "config.json")))
-    from paddletune.models import get_spec
     assert tuple(saved["architectures"]) == get_spec(saved["model_type"]).architectures
+    x = np.random.default_rng(1).integers(3, 500, (2, 9))
+    with paddle.no_grad():
+        ours = load_model(out)(paddle.to_tensor(x)).logits.numpy()
+    if FAMILIES[folder][2]:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            assert rel_err(hf(torch.tensor(x)).logits.numpy(), ours) <= 1e-5

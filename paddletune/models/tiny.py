@@ -39,6 +39,15 @@ BUILTIN = {
                                        num_hidden_layers=4, num_attention_heads=4,
                                        max_position_embeddings=1024)),
     "paddletune/tiny-bloom": ("bloom", dict(hidden_size=128, n_layer=4, n_head=4)),
+    "paddletune/tiny-baichuan2": ("baichuan", dict(hidden_size=128, intermediate_size=352,
+                                                  num_hidden_layers=4, num_attention_heads=4,
+                                                  max_position_embeddings=1024)),
+    "paddletune/tiny-baichuan2-13b": ("baichuan", dict(hidden_size=128, intermediate_size=352,
+                                                      num_hidden_layers=4, num_attention_heads=4,
+                                                      position_embedding="alibi")),
+    "paddletune/tiny-qwen": ("qwen", dict(hidden_size=128, intermediate_size=704, kv_channels=32,
+                                         num_hidden_layers=4, num_attention_heads=4,
+                                         tokenizer="tiny-qwen-tokenizer")),
 }
 
 
@@ -131,7 +140,8 @@ def builtin_model_dir(name):
 
 
 def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
-    name = "tokenizer.json" if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else "tokenizer.model"
+    name = next((n for n in ("tokenizer.json", "tokenizer.model", "qwen.tiktoken")
+                 if os.path.exists(os.path.join(tok_dir, n))), "tokenizer.model")
     with open(os.path.join(tok_dir, name), "rb") as f:
         return hashlib.sha1(f.read()).hexdigest()[:10]
 
