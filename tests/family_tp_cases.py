@@ -34,3 +34,30 @@ def held_slices(ckpt, names):
                 n = attn[0].weight._local_value().shape[1] // (3 * model.config.head_dim)
                 slopes[name] = table.get(attn[0].head_offset, n).numpy().tolist()
     return {"local": local, "offsets": offsets, "slopes": slopes, "rank": topo.tp_rank}
+
+
+def glm6b_rows(n, seed, vocab=600):
+    """Variable-length copy rows in ChatGLM-6B's layout (tiny config: [gMASK]=4, sop=5, eop=6):
+    src, [gMASK], sop, tgt, eop; labels on tgt and eop."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        s, t = int(rng.integers(1, 12)), int(rng.integers(1, 25))
+        src, tgt = rng.integers(7, vocab, size=s).tolist(), rng.integers(7, vocab, size=t).tolist()
+        out.append({"input_ids": np.array(src + [4, 5] + tgt + [6], np.int64),
+                    "labels": np.array([-100] * (s + 2) + tgt + [6], np.int64), "id": i})
+    return out
+
+
+def train_glm6b(**kwargs):
+    """tp_cases.train_case on ChatGLM-6B-layout rows (its data function swapped for the call)."""
+    import tp_cases
+
+    saved = tp_cases.copy_data
+    tp_cases.copy_data = glm6b_rows
+    try:
+        return tp_cases.train_case(**kwargs)
+    finally:
+        tp_cases.copy_data = saved

@@ -27,7 +27,9 @@ CASES = {   # name -> (checkpoint kind, train_case kwargs)
     "baichuan2_7b_sft": ("baichuan", {}),
     "baichuan2_13b_alibi_lora": ("baichuan13b", {"method": "lora", "lr": 2e-2}),
     "qwen_sft": ("qwen", {}),
+    "chatglm6b_sft": ("chatglm6b", {}),
 }
+TARGET = {"chatglm6b": "family_tp_cases:train_glm6b"}   # its own data layout ([gMASK], sop)
 # a weight per family: (name, axis split, global shape)
 HALVED = {
     "qwen3": [("model.layers.0.self_attn.q_proj.weight", 1), ("model.layers.0.mlp.down_proj.weight", 0),
@@ -42,6 +44,8 @@ HALVED = {
                  ("model.layers.0.self_attn.o_proj.weight", 0)],
     "qwen": [("transformer.h.0.attn.c_attn.weight", 1), ("transformer.h.0.mlp.w2.weight", 1),
              ("transformer.h.0.mlp.c_proj.weight", 0), ("lm_head.weight", 1)],
+    "chatglm6b": [("transformer.layers.0.attention.query_key_value.weight", 1),
+                  ("transformer.layers.0.attention.dense.weight", 0), ("lm_head.weight", 1)],
 }
 HALVED["baichuan13b"] = HALVED["baichuan"]
 FUSED = {"gpt2": ["transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_attn.bias"],
@@ -57,7 +61,8 @@ def _checkpoints(base):
            for i, kind in enumerate(("qwen3", "gpt2", "opt", "bloom"))}
     for seed, (kind, mt, extra) in enumerate((("baichuan", "baichuan", {}),
                                               ("baichuan13b", "baichuan", {"position_embedding": "alibi"}),
-                                              ("qwen", "qwen", {}))):
+                                              ("qwen", "qwen", {}),
+                                              ("chatglm6b", "chatglm6b", {"bos_token_id": 5, "eos_token_id": 6}))):
         out[kind] = make_tiny_checkpoint(str(base / f"ck_{kind}"), mt, seed=10 + seed, **extra)
     return out
 
@@ -68,14 +73,17 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("families_tp")
     cks = _checkpoints(base)
-    cases = [(name, "tp_cases:train_case", dict(STEPS, **kw, ckpt=cks[kind],
+    cases = [(name, TARGET.get(kind, "tp_cases:train_case"), dict(STEPS, **kw, ckpt=cks[kind],
                                                  out_dir=str(base / name / "tp2"), tp=2, eval_n=4))
              for name, (kind, kw) in CASES.items()]
     cases += [(f"held_{kind}", "family_tp_cases:held_slices", {"ckpt": cks[kind], "names": names})
               for kind, names in FUSED.items()]
     got = launch_cases(cases, base, nproc=2, timeout=900)
-    ref = {name: train_case(cks[kind], str(base / name / "single"), eval_n=4, **STEPS, **kw)
-           for name, (kind, kw) in CASES.items()}
+    from family_tp_cases import train_glm6b
+
+    ref = {name: (train_glm6b if kind in TARGET else train_case)(
+        ckpt=cks[kind], out_dir=str(base / name / "single"), eval_n=4, **STEPS, **kw)
+        for name, (kind, kw) in CASES.items()}
     return base, cks, got, ref
 
 

@@ -12,7 +12,7 @@ import paddle
 
 from ..io import publish_into, read_json, write_json
 from . import hf
-from .spec import ModelSpec, get_spec, registered_types  # noqa: F401
+from .spec import ModelSpec, get_spec, registered_types, spec_for_config  # noqa: F401
 from .tiny import BUILTIN as _BUILTIN
 
 logger = logging.getLogger("paddletune")
@@ -42,7 +42,7 @@ def load_config(path):
     d = read_json(os.path.join(path, "config.json"), "config.json")
     if "model_type" not in d:
         raise ValueError(f"{path}/config.json has no 'model_type'; supported: {registered_types()}")
-    spec = get_spec(d["model_type"])
+    spec = spec_for_config(d)
     return spec, spec.config_cls.from_dict(d)
 
 
@@ -50,7 +50,7 @@ def build_model(config, seed=None):
     """Model from a config dict (or config object); random N(0, initializer_range) when `seed`
     is given, otherwise lazily created parameters that must be loaded before use."""
     if isinstance(config, dict):
-        spec = get_spec(config.get("model_type", "llama"))
+        spec = spec_for_config(config)
         config = spec.config_cls.from_dict(config)
     spec = get_spec(config.model_type)
     with paddle.LazyGuard():

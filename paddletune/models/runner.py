@@ -107,9 +107,10 @@ class CausalLM(nn.Layer):
         return head(h)
 
     def context(self, batch, seq, attention_mask=None, position_ids=None, cache=None,
-                segment_ids=None, dtype="float32"):
-        """(BlockContext, attention_mask): positions, rope tables and the attention structure.
-        The prefix hook (if any) supplies the cache and extends the mask when none is given."""
+                segment_ids=None, dtype="float32", input_ids=None):
+        """BlockContext: positions, rope tables and the attention structure. The prefix hook (if
+        any) supplies the cache and extends the mask when none is given. `input_ids` is for
+        families whose positions and mask depend on the tokens (ChatGLM-6B's [gMASK] / sop)."""
         if cache is None and self.cache_hook is not None:
             cache, attention_mask = self.cache_hook(attention_mask)
         past = cache.length if cache is not None else 0
@@ -143,7 +144,7 @@ class CausalLM(nn.Layer):
                 segment_ids=None, return_hidden=False):
         B, S = input_ids.shape
         h = self.embed(input_ids)
-        ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype)
+        ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype, input_ids)
         h = self.run_layers(self.finish_embedding(h, ctx), ctx)
         if ctx.cache is not None:
             ctx.cache.advance(S)

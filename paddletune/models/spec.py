@@ -49,6 +49,11 @@ class ModelSpec:
     # regexes (full match) over HF tensor names of Linear weights the checkpoint already stores as
     # [in, out], paddle's layout (GPT-2's Conv1D c_attn / c_proj / c_fc): hf.py keeps their layout
     stored_in_out: Tuple[str, ...] = ()
+    # config.json's model_type when two families share one (ChatGLM-6B and ChatGLM2/3 both say
+    # "chatglm"): the registry key (model_type above) is then this project's own name, and
+    # claims(config dict) -> bool says which config.json files are this family's
+    hf_model_type: Optional[str] = None
+    claims: Optional[Callable] = None
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
@@ -76,6 +81,17 @@ def get_spec(model_type: str) -> ModelSpec:
         raise ValueError(
             f"model_type '{model_type}' is not supported; supported: {sorted(_REGISTRY)}")
     return _REGISTRY[model_type]
+
+
+def spec_for_config(d):
+    """The ModelSpec of a config.json dict: the family that claims it among those sharing its
+    model_type, else the one registered under it."""
+    mt = d.get("model_type", "llama")
+    get_spec("llama")   # every family registered
+    for spec in _REGISTRY.values():
+        if spec.hf_model_type == mt and spec.claims is not None and spec.claims(d):
+            return spec
+    return get_spec(mt)
 
 
 def registered_types():
