@@ -110,3 +110,25 @@ def test_lora_learns_copy_pairs(tmp_path, name):
     Trainer(model, training_args(tmp_path, max_steps=60), train_dataset=data,
             trainable=setup.trainable, export_fn=lambda d: None).train()
     assert token_accuracy(model, data) == 1.0
+
+
+@pytest.mark.parametrize("kind,base", [("gpt2", "transformer"), ("opt", "model"), ("bloom", "transformer")])
+def test_base_model_checkpoint_loads(tmp_path, kind, base):
+    """The hub's gpt2 / facebook/opt-* / bigscience/bloom* files were saved from the base model:
+    tensor names lack the head model's prefix ("h.0.attn.c_attn.weight"). They load (the reader
+    adds ModelSpec.base_prefix) and give the head model's logits (the head is tied)."""
+    import json
+    import os
+
+    path, ref_model = hf_family(tmp_path / "ck", kind)
+    getattr(ref_model, base).save_pretrained(str(tmp_path / "base"))
+    conf = json.load(open(tmp_path / "base" / "config.json"))
+    from paddletune.models.hf import SafetensorsFile
+
+    stored = SafetensorsFile(os.path.join(tmp_path, "base", "model.safetensors")).keys()
+    assert stored and not any(k.startswith(base + ".") for k in stored)
+    assert conf["model_type"] == kind
+    ids = ids_for(10)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids)).logits.numpy()
+    assert rel_err(load_model(str(tmp_path / "base"))(paddle.to_tensor(ids)).logits.numpy(), ref) <= 1e-4

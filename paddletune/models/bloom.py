@@ -192,4 +192,4 @@ SPEC = register(ModelSpec(
              "dense_4h_to_h": "row", "word_embeddings": "vocab", "lm_head": "column"},
     prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.self_attention\.dense$", r".*\.dense_4h_to_h$"),
-    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts))
+    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts, base_prefix="transformer."))

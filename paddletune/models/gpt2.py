@@ -203,4 +203,4 @@ SPEC = register(ModelSpec(
     tp_plan={"c_attn": "column", "c_proj": "row", "c_fc": "column", "wte": "vocab",
              "lm_head": "column"},
     prefix_layout=_prefix_layout, adapter_targets=(r".*\.attn\.c_proj$", r".*\.mlp\.c_proj$"),
-    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts))
+    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts, base_prefix="transformer."))

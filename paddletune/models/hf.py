@@ -203,7 +203,13 @@ class CheckpointReader:
                     "never unpickles. Convert them once (trusted files only):\n"
                     f"  python tools/convert_checkpoint.py --input {path} --output {path}-safetensors")
             raise FileNotFoundError(f"no {prefix}.safetensors weights found in {path}")
-        self.files = files
+        self.files, self.names = files, {}   # names: our name -> the file's (see base_prefix)
+        base = _base_prefix(path)
+        if base and not any(k.startswith(base) for k in files):
+            # saved from the base model (bigscience/bloom*, gpt2, facebook/opt-*: "h.0...."),
+            # without the head model's prefix that our module names carry
+            self.files = {base + k: f for k, f in files.items()}
+            self.names = {base + k: k for k in files}
 
     def keys(self):
         return list(self.files)
@@ -211,15 +217,32 @@ class CheckpointReader:
     def __contains__(self, name):
         return name in self.files
 
+    def stored_name(self, name):
+        """The name tensor `name` has in its file."""
+        return self.names.get(name, name)
+
     def shape(self, name):
-        return self.files[name].shape(name)
+        return self.files[name].shape(self.stored_name(name))
 
     def get(self, name, axis=None, start=None, stop=None):
-        return self.files[name].get(name, axis, start, stop)
+        return self.files[name].get(self.stored_name(name), axis, start, stop)
 
     def release(self):
         for st in set(self.files.values()):
             st.release()
+
+
+def _base_prefix(path):
+    """ModelSpec.base_prefix of the family of path/config.json ("" when unknown)."""
+    conf = os.path.join(path, "config.json")
+    if not os.path.exists(conf):
+        return ""
+    try:
+        from .spec import spec_for_config
+
+        return spec_for_config(read_json(conf, "config.json")).base_prefix or ""
+    except ValueError:   # not a config this project loads: no renaming
+        return ""
 
 
 # ------------------------------------------------------------------ Linear weight layout
@@ -295,7 +318,7 @@ def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, r
     float32 array `out`, straight from the file's memory map: no intermediate copy of the whole
     slice (bf16 is widened `rows` elements at a time). Linear weights are transposed on the way."""
     st = reader.files[name]
-    view, code = st._raw(name)
+    view, code = st._raw(reader.stored_name(name) if hasattr(reader, "stored_name") else name)
     linear = is_linear_weight(spec, name, view.ndim)
     if axis is not None:
         idx = [slice(None)] * view.ndim

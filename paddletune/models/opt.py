@@ -222,4 +222,4 @@ SPEC = register(ModelSpec(
     tp_plan={"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row",
              "fc1": "column", "fc2": "row", "embed_tokens": "vocab", "lm_head": "column"},
     prefix_layout=_prefix_layout, adapter_targets=(r".*\.out_proj$", r".*\.fc2$"),
-    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts))
+    tiny_config=_TINY, default_chat_template="plain", tp_parts=_tp_parts, base_prefix="model."))

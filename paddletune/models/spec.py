@@ -54,6 +54,10 @@ class ModelSpec:
     # claims(config dict) -> bool says which config.json files are this family's
     hf_model_type: Optional[str] = None
     claims: Optional[Callable] = None
+    # HF's base_model_prefix ("transformer.", "model."): a checkpoint saved from the base model
+    # (no head, tied) names its tensors without it, e.g. "h.0.attn.c_attn.weight"; hf.py's reader
+    # then adds it (only when no tensor name starts with it)
+    base_prefix: Optional[str] = None
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
