@@ -153,3 +153,17 @@ def test_batched_left_padded_generation_equals_transformers(tmp_path, kind):
     want = [r[:next((i + 1 for i, t in enumerate(r) if t == 2), len(r))] for r in rows]   # eos 2
     got = generate(load_model(path), prompts, max_new_tokens=new, pad_token_id=0)
     assert got.sequences == want and len(set(map(len, prompts))) > 1
+
+
+def test_gpt2_conv1d_weights_quantize_in_their_layout(tmp_path):
+    """Weight-only int8 on GPT-2: the Conv1D weights ([in, out] in the file) reach the quantizer
+    in torch layout (hf.read_torch_linear), so the quantized model's logits stay near the float
+    model's (a transposed matrix would not even have the right shape for the non-square ones)."""
+    from paddletune.args import QuantArgument
+
+    path, _ = hf_family(tmp_path / "ck", "gpt2", seed=3)
+    ids = paddle.to_tensor(ids_for(10))
+    ref = load_model(path)(ids).logits.numpy()
+    q = load_model(path, quant=QuantArgument(weight_quantize_algo="weight_only_int8"))
+    assert type(q.transformer.h[0].attn.c_attn).__name__ != "Linear"
+    assert rel_err(q(ids).logits.numpy(), ref) < 2e-2
