@@ -41,7 +41,7 @@ NOEFF_PTQ = "post-training quantization is not implemented"
 
 @dataclass
 class ModelArgument:
-    model_name_or_path: str = F(None, "local HF checkpoint directory (config.json, *.safetensors, tokenizer) or a built-in name: paddletune/tiny-llama, paddletune/tiny-qwen2, paddletune/tiny-chatglm2")
+    model_name_or_path: str = F(None, "local HF checkpoint directory (config.json, *.safetensors, tokenizer) or a built-in name: paddletune/tiny-<llama|qwen2|qwen3|chatglm2|gpt2|opt|bloom> (paddletune.models.BUILTIN_MODELS)")
     tokenizer_name_or_path: Optional[str] = F(None, "tokenizer directory when it differs from model_name_or_path")
     use_flash_attention: bool = F(False, "GPU flash attention; on CPU the exact attention kernel is used (warned)")
     use_fast_layer_norm: bool = F(False, "fused layer norm kernel (GPU only)", "no_effect", "no fused norm kernel is used")

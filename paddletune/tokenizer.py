@@ -56,7 +56,14 @@ class Tokenizer:
         self.added = {}   # token string -> id, tokens matched before the model's tokenisation
         self.special_ids = set()
         tj, tm = (os.path.join(path, f) for f in ("tokenizer.json", "tokenizer.model"))
-        if os.path.exists(tj):
+        custom = self._own_backend()
+        if custom is not None:   # a family's vocabulary file, as a `tokenizers` Tokenizer
+            self.backend, self._tok = "tokenizers", custom
+            for i, t in custom.get_added_tokens_decoder().items():
+                self.added[t.content] = i
+                if t.special:
+                    self.special_ids.add(i)
+        elif os.path.exists(tj):
             from tokenizers import Tokenizer as _Tok
 
             self.backend = "tokenizers"
@@ -122,6 +129,11 @@ class Tokenizer:
         self._template_set = self._template_explicit = False
 
     # ------------------------------------------------------------------ files
+    def _own_backend(self):
+        """A `tokenizers.Tokenizer` built from a family's own vocabulary file (a subclass's, e.g.
+        Qwen's qwen.tiktoken), or None: tokenizer.json / tokenizer.model are read."""
+        return None
+
     def _read_optional(self, name):
         p = os.path.join(self.path, name)
         d = read_json(p) if os.path.exists(p) else {}

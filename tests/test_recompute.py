@@ -52,3 +52,48 @@ def test_attention_dropout_is_active():
         paddle.seed(seed)
         losses.append(float(lm_loss(model, x, x).loss))
     assert losses[0] != losses[1]
+
+
+FAMILIES = ("qwen2", "chatglm", "qwen3", "gpt2", "opt", "bloom", "baichuan", "qwen", "chatglm6b")
+
+
+def _family_grads(monkeypatch, kind, recompute, granularity):
+    """(core attention calls, attention-module calls, gradients) of one loss on the tiny model."""
+    spec = get_spec(kind)
+    paddle.seed(0)
+    conf = dict(spec.tiny_config)
+    if kind == "chatglm":
+        conf["padded_vocab_size"] = 128
+    model = build_model(conf, seed=0)
+    model.train()
+    model.recompute, model.recompute_granularity = recompute, granularity
+    calls = {"core": 0, "attention": 0}
+    core = layers._dense_attention
+    monkeypatch.setattr(layers, "_dense_attention",
+                        lambda *a, **k: calls.__setitem__("core", calls["core"] + 1) or core(*a, **k))
+    cls = type(getattr(model.decoder_layers()[0], spec.attention_module))
+    orig = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.__setitem__(
+        "attention", calls["attention"] + 1) or orig(self, *a, **k))
+    x = np.random.default_rng(0).integers(8, 90, (2, 12))
+    if kind == "chatglm6b":   # rows are prompt, [gMASK], sop, answer
+        x[:, 5], x[:, 6] = conf["gmask_token_id"], conf["bos_token_id"]
+    x = paddle.to_tensor(x)
+    lm_loss(model, x, x).loss.backward()
+    monkeypatch.undo()
+    return calls, len(model.decoder_layers()), {n: p.grad.numpy() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_recompute_attention_granularities_in_every_family(monkeypatch, kind):
+    """full_attn recomputes the family's attention module (ModelSpec.attention_module), core_attn
+    softmax(q k^T) v: each runs twice per block, and the gradients equal the plain run's."""
+    base_calls, n, base = _family_grads(monkeypatch, kind, False, "full")
+    assert base_calls == {"core": n, "attention": n}
+    for granularity, expect in (("full_attn", {"core": 2 * n, "attention": 2 * n}),
+                                ("core_attn", {"core": 2 * n, "attention": n})):
+        calls, _, got = _family_grads(monkeypatch, kind, True, granularity)
+        assert calls == expect, granularity
+        assert set(got) == set(base)
+        assert max(rel_err(got[n_], base[n_]) for n_ in base) <= 1e-6, granularity

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from paddletune import cli  # noqa: E402
 from paddletune.io import atomic_dir, inside, read_json, write_json  # noqa: E402
-from paddletune.models import build_model, get_spec, hf  # noqa: E402
+from paddletune.models import build_model, hf, spec_for_config  # noqa: E402
 from paddletune.models.spec import conversion_fixups  # noqa: E402
 from paddletune.models import paddlenlp as pnlp  # noqa: E402
 
@@ -203,13 +203,13 @@ def plan(src, args):
         conf = pnlp.hf_config(conf)
     # facts a family's files may not state (ChatGLM's rope_ratio meaning): models/ knows which
     conf.update(conversion_fixups(src, conf, {"rope_ratio_mode": args.rope_ratio_mode}))
-    get_spec(conf.get("model_type", "llama")).config_cls.from_dict(conf)  # must load here
+    spec_for_config(conf).config_cls.from_dict(conf)  # must load here
     return kind, files, conf
 
 
 def check_against_model(conf, shapes):
     """The written tensors must be exactly the model's parameters, in HF layout."""
-    spec = get_spec(conf["model_type"])
+    spec = spec_for_config(conf)
     model = build_model(conf)   # lazy: no weights allocated
     for name, p in model.named_parameters():
         if name not in shapes:

@@ -93,13 +93,25 @@ _BAICHUAN2 = (
     "{% elif m['role'] == 'user' %}<reserved_106>{{ m['content'] }}"
     "{% else %}<reserved_107>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<reserved_107>{% endif %}")
-# plain: the turns' texts one after another, nothing added. The tokenizer's leading specials
-# (BOS) go in front and EOS after each answer (the rules above), so a {src, tgt} row renders
-# [BOS] src tgt [EOS]: token for token what PaddleNLP's rule without a template gives (data/sft.py).
-# The built-in tiny models carry it, so the sample run's data is unchanged and --chat works.
-_PLAIN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-BUILTIN_TEMPLATES = {"plain": _PLAIN, "llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
-                     "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3, "baichuan2": _BAICHUAN2}
+# ChatGLM-6B (v1): "[Round 0]\n问：Q\n答：A\n[Round 1]\n问：...", rounds from 0, the separator
+# written before the next round (as chatglm2 above; EOS is then the end-of-turn token)
+_CHATGLM = (
+    "{% set ns = namespace(i=0, text=false) %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}{% set ns.text = true %}"
+    "{% elif m['role'] == 'user' %}{% if ns.text %}{{ '\\n' }}{% endif %}"
+    "[Round {{ ns.i }}]\n问：{{ m['content'] }}\n答：{% set ns.i = ns.i + 1 %}{% set ns.text = true %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+# plain: the turns' texts one after another (a system text followed by a blank line). The
+# tokenizer's leading specials (BOS) go in front and EOS after each answer (the rules above), so a
+# {src, tgt} row renders [BOS] src tgt [EOS]: token for token what PaddleNLP's rule without a
+# template gives (data/sft.py). The built-in tiny models and the base models without a published
+# chat format (GPT-2 / GPT-3, OPT, Bloom) carry it, so the sample run's data is unchanged and --chat works.
+_PLAIN = (
+    "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}{{ '\\n\\n' }}{% endif %}"
+    "{% endfor %}")
+BUILTIN_TEMPLATES = {"llama2": _LLAMA2, "llama3": _LLAMA3, "chatml": _CHATML, "qwen": _CHATML,
+                     "chatglm": _CHATGLM, "chatglm2": _CHATGLM2, "chatglm3": _CHATGLM3,
+                     "baichuan2": _BAICHUAN2, "plain": _PLAIN}
 
 
 # ----------------------------------------------------------------------------- jinja environment

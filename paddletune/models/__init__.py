@@ -12,11 +12,12 @@ import paddle
 
 from ..io import publish_into, read_json, write_json
 from . import hf
-from .spec import ModelSpec, get_spec, registered_types  # noqa: F401
+from .spec import ModelSpec, get_spec, registered_types, spec_for_config  # noqa: F401
+from .tiny import BUILTIN as _BUILTIN
 
 logger = logging.getLogger("paddletune")
 
-BUILTIN_MODELS = ("paddletune/tiny-llama", "paddletune/tiny-qwen2", "paddletune/tiny-chatglm2")
+BUILTIN_MODELS = tuple(_BUILTIN)   # built-in tiny model names (models/tiny.py)
 FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 
 
@@ -64,7 +65,7 @@ def load_config(path):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not np.isfinite(v)):
             raise ValueError(f"{where}: '{key}' must be a finite number, got {v!r}")
-    spec = get_spec(d["model_type"])
+    spec = spec_for_config(d)
     try:
         return spec, spec.config_cls.from_dict(d)
     except KeyError as e:
@@ -96,7 +97,7 @@ def build_model(config, seed=None):
     """Model from a config dict (or config object); random N(0, initializer_range) when `seed`
     is given, otherwise lazily created parameters that must be loaded before use."""
     if isinstance(config, dict):
-        spec = get_spec(config.get("model_type", "llama"))
+        spec = spec_for_config(config)
         config = spec.config_cls.from_dict(config)
     spec = get_spec(config.model_type)
     with paddle.LazyGuard():
@@ -127,9 +128,10 @@ def check_checkpoint_shapes(model, path, spec, reader, params, quantized):
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
                              f"checkpoint, the model expects {expect} (paddle layout)")
     for name, m in quantized.items():
-        if reader.shape(name) != [m.out_features, m.in_features]:
+        if hf.paddle_shape(spec, name, reader.shape(name)) != [m.in_features, m.out_features]:
             raise ValueError(f"{path}: tensor {name} has shape {reader.shape(name)} in the "
-                             f"checkpoint, the model expects {[m.out_features, m.in_features]} (HF layout)")
+                             f"checkpoint, the model expects "
+                             f"{hf.hf_shape(spec, name, [m.in_features, m.out_features])} (HF layout)")
 
 
 def check_checkpoint(path, config=None):
@@ -166,7 +168,7 @@ def load_weights(model, path, spec=None, reader=None, params=None, only=None):
                                  name, reader))
         _unmap(reader, name)
     for name, m in quantized.items():
-        m.set_weight(check_finite(reader.get(name), name, reader))
+        m.set_weight(check_finite(hf.read_torch_linear(reader, spec, name), name, reader))
         _unmap(reader, name)
     # saved rope tables (HF rotary_emb.inv_freq, THUDM rotary_pos_emb.inv_freq) are recomputed
     extra = [k for k in reader.keys() if k not in params and k not in quantized

@@ -2,7 +2,9 @@
 
 This is the only module that converts weight layouts (DESIGN.md rule 7): HF/torch Linear weights
 are [out, in], paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight
-except the names in `ModelSpec.not_linear` (embeddings), which keep their layout. Code elsewhere
+except the names in `ModelSpec.not_linear` (embeddings), which keep their layout; Linear weights
+whose checkpoint stores them [in, out] already (GPT-2's Conv1D: `ModelSpec.stored_in_out`) keep
+theirs too. Code elsewhere
 that moves a Linear weight (or its shape) between the two layouts calls:
     linear_to_hf(w) / linear_to_paddle(w)        one Linear weight (numpy array or paddle tensor)
     to_hf_layout / to_paddle_layout(spec, name, arr)   any named tensor (only Linear weights change)
@@ -17,6 +19,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -261,7 +264,13 @@ class CheckpointReader:
                     "never unpickles. Convert them once (trusted files only):\n"
                     f"  python tools/convert_checkpoint.py --input {path} --output {path}-safetensors")
             raise FileNotFoundError(f"no {prefix}.safetensors weights found in {path}")
-        self.files = files
+        self.files, self.names = files, {}   # names: our name -> the file's (see base_prefix)
+        base = _base_prefix(path)
+        if base and not any(k.startswith(base) for k in files):
+            # saved from the base model (bigscience/bloom*, gpt2, facebook/opt-*: "h.0...."),
+            # without the head model's prefix that our module names carry
+            self.files = {base + k: f for k, f in files.items()}
+            self.names = {base + k: k for k in files}
 
     def keys(self):
         return list(self.files)
@@ -269,21 +278,38 @@ class CheckpointReader:
     def __contains__(self, name):
         return name in self.files
 
+    def stored_name(self, name):
+        """The name tensor `name` has in its file."""
+        return self.names.get(name, name)
+
     def shape(self, name):
-        return self.files[name].shape(name)
+        return self.files[name].shape(self.stored_name(name))
 
     def dtype(self, name):
-        return self.files[name].dtype(name)
+        return self.files[name].dtype(self.stored_name(name))
 
     def file_of(self, name):
         return self.files[name].path
 
     def get(self, name, axis=None, start=None, stop=None):
-        return self.files[name].get(name, axis, start, stop)
+        return self.files[name].get(self.stored_name(name), axis, start, stop)
 
     def release(self):
         for st in set(self.files.values()):
             st.release()
+
+
+def _base_prefix(path):
+    """ModelSpec.base_prefix of the family of path/config.json ("" when unknown)."""
+    conf = os.path.join(path, "config.json")
+    if not os.path.exists(conf):
+        return ""
+    try:
+        from .spec import spec_for_config
+
+        return spec_for_config(read_json(conf, "config.json")).base_prefix or ""
+    except ValueError:   # not a config this project loads: no renaming
+        return ""
 
 
 # ------------------------------------------------------------------ Linear weight layout
@@ -308,7 +334,18 @@ def linear_to_paddle(w):
 
 
 def is_linear_weight(spec, name, ndim):
-    return ndim == 2 and name.endswith(".weight") and name not in spec.not_linear
+    """True when tensor `name` is a Linear weight the HF checkpoint holds as [out, in], i.e. one
+    whose layout differs from paddle's [in, out] (not an embedding, not a Conv1D weight)."""
+    if ndim != 2 or not name.endswith(".weight") or name in spec.not_linear:
+        return False
+    return not any(re.fullmatch(p, name) for p in getattr(spec, "stored_in_out", ()))
+
+
+def read_torch_linear(reader, spec, name):
+    """Linear weight `name` from the checkpoint in torch layout [out, in] (what quantizers take),
+    whatever layout the checkpoint stores it in."""
+    arr = reader.get(name)
+    return arr if is_linear_weight(spec, name, arr.ndim) else linear_to_hf(arr)
 
 
 def to_paddle_layout(spec, name, arr):
@@ -348,7 +385,7 @@ def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, r
     float32 array `out`, straight from the file's memory map: no intermediate copy of the whole
     slice (bf16 is widened `rows` elements at a time). Linear weights are transposed on the way."""
     st = reader.files[name]
-    view, code = st._raw(name)
+    view, code = st._raw(reader.stored_name(name) if hasattr(reader, "stored_name") else name)
     linear = is_linear_weight(spec, name, view.ndim)
     if axis is not None:
         idx = [slice(None)] * view.ndim

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model files: RMSNorm, rotary tables, attention, SwiGLU.
+"""Building blocks shared by the model files: RMSNorm, rotary tables, ALiBi, attention, SwiGLU,
+activations.
 
 Shapes: B batch, S new tokens, T keys (past + new), N query heads, K key/value heads,
 D head_dim, H hidden, V vocab. Linear weights are paddle layout [in, out].
@@ -39,6 +40,24 @@ class RMSNorm(nn.Layer):
         # since broadcast multiplies (and their gradients' reductions) are the slow ones: 2.8 -> 1.0 ms
         r = paddle.rsqrt(paddle.matmul(paddle.square(x32), _MEAN[H]) + self.eps).expand(x32.shape)
         return self.weight.expand(x.shape) * (x32 * r).astype(dtype)
+
+
+def activation(name):
+    """Hugging Face `hidden_act` / `activation_function` name -> f(x). "gelu_new",
+    "gelu_pytorch_tanh" and Bloom's GeLU are the tanh approximation
+    0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x^3))); "gelu" is the exact erf form."""
+    table = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+             "gelu_new": lambda x: F.gelu(x, approximate=True),
+             "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate=True),
+             "gelu_fast": lambda x: F.gelu(x, approximate=True)}
+    if name not in table:
+        raise ValueError(f"activation {name!r} is not supported ({', '.join(sorted(table))})")
+    return table[name]
+
+
+def dropout(x, p, training):
+    """F.dropout, skipped (no op at all) when p is 0 or not training."""
+    return F.dropout(x, p, training=True) if (training and p > 0) else x
 
 
 def swiglu(gate, up):
@@ -136,6 +155,64 @@ class RopeTables:
         """apply(x, scale) transposed to [B, heads, S, D], in one CPU kernel when available."""
         fused = kernels.rope_heads_first(x, self.cos, self.sin, scale)
         return fused if fused is not None else self.apply(x, scale).transpose([0, 2, 1, 3])
+
+
+class NoRotary:
+    """The rope object of families without rotary positions (learned positions, ALiBi)."""
+
+    def apply_heads_first(self, x, scale=1.0):
+        """x [B, S, heads, D] (times `scale`) as [B, heads, S, D]."""
+        return (x if scale == 1.0 else x * scale).transpose([0, 2, 1, 3])
+
+
+def check_positions(positions, limit, key):
+    """Learned position tables have `limit` rows: a position past them is an error naming the
+    config key, not an index crash."""
+    top = int(positions.max()) if positions.shape[-1] else 0
+    if top >= limit:
+        raise ValueError(f"position {top} is past the model's learned positions ({key}={limit}); "
+                         "shorten the sequence (max_length / src_length + max_new_tokens)")
+
+
+def alibi_slopes(num_heads):
+    """ALiBi slopes [num_heads] (float32, Press et al.): for n a power of two, head h (1-based)
+    gets 2^(-8h/n); otherwise the n' = 2^floor(log2 n) slopes of n' heads, then the odd-indexed
+    slopes of 2n' heads for the remaining n - n'. Example: n = 4 -> [1/4, 1/16, 1/64, 1/256];
+    n = 6 -> [1/4, 1/16, 1/64, 1/256, 1/2, 1/8]. Attention adds slope_h · j to the score of key j
+    (the softmax ignores the missing -slope_h · i per query row)."""
+    c = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 * h / c) for h in range(1, c + 1)]
+    slopes += [2.0 ** (-8.0 * h / (2 * c)) for h in range(1, 2 * (num_heads - c), 2)]
+    return np.asarray(slopes, np.float32)
+
+
+class HeadSlopes:
+    """ALiBi slopes of num_heads heads; `get(first, count)` -> the slopes of heads first ..
+    first+count-1 as a float32 tensor (made once per slice: a tensor-parallel rank asks for its own)."""
+
+    def __init__(self, num_heads):
+        self.all = alibi_slopes(num_heads)
+        self._made = {}
+
+    def get(self, first, count):
+        if (first, count) not in self._made:
+            self._made[(first, count)] = paddle.to_tensor(self.all[first:first + count])
+        return self._made[(first, count)]
+
+
+class NormHead(nn.Linear):
+    """An LM head whose vocabulary vectors are unit-normalised in every forward (Baichuan2):
+    logits = h @ weight_transform(W), W [H, V] (paddle layout), each column v divided by its
+    L2 norm (the rows of the HF weight [V, H]). `weight_transform` is the one place the
+    normalisation is written: the loss's chunked head (models/loss.py) and tensor parallelism's
+    column executor (on the rank's columns) apply it to the weight they read."""
+
+    @staticmethod
+    def weight_transform(w):
+        return F.normalize(w, p=2, axis=0)
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight_transform(self.weight))
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -248,8 +325,9 @@ def _packed_flash(q, k, v, layout, dropout, training, scale):
     return out.reshape([B, S, N * D])
 
 
-def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dropout_fn=None):
-    if flash and "gpu" in str(q.place).lower():
+def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dropout_fn=None,
+                      alibi=None):
+    if flash and alibi is None and "gpu" in str(q.place).lower():
         try:
             return _packed_flash(q, k, v, layout, dropout, training, scale)
         except Exception as e:  # untested kernel path: stay correct, say why once
@@ -260,16 +338,19 @@ def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dr
                                                         "the exact blocked path", e)
     whole = layout.whole_row_mask()
     if whole is not None:   # every row is one block: a single batched call, no slicing
-        return _dense_attention(q, k, v, whole, dropout, training, scale, dropout_fn)
+        return _dense_attention(q, k, v, whole, dropout, training, scale, dropout_fn, alibi)
     rows = [[] for _ in range(q.shape[0])]
     for b, lo, hi, bias in layout.blocks:
         sl = lambda t: t[b:b + 1, :, lo:hi]  # noqa: E731
-        rows[b].append(_dense_attention(sl(q), sl(k), sl(v), bias, dropout, training, scale, dropout_fn))
+        # ALiBi over a block's own key positions: per query row a constant shift (every key it
+        # sees is in its example), which the softmax ignores
+        rows[b].append(_dense_attention(sl(q), sl(k), sl(v), bias, dropout, training, scale, dropout_fn,
+                                        alibi))
     return paddle.concat([paddle.concat(r, axis=1) if len(r) > 1 else r[0] for r in rows], axis=0)
 
 
 def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash=False,
-              dropout_fn=None, recompute=False):
+              dropout_fn=None, alibi=None, recompute=False):
     """Scaled dot-product attention with grouped KV heads and no K/V repetition.
 
     q [B, N, S, D]; k, v [B, K, T, D] with N = K * g; bias: bool mask broadcastable to
@@ -277,6 +358,8 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
     `scale` multiplies the scores: None = 1/sqrt(D); 1.0 when q was scaled already (RopeTables).
     `flash`: packed rows may use the GPU varlen flash-attention kernel (see PackedRows).
     `dropout_fn(probs, p, training)` replaces F.dropout on the probabilities when given.
+    `alibi`: slopes [N] (float32 tensor) of these query heads: score(i, j) += slope · j for key j
+    (0-based over the T keys, cached and learned-prefix keys included).
     `recompute`: keep only q, k, v for backward and run softmax(q k^T) v again then
     (recompute_granularity core_attn; the dropout masks are replayed from the saved RNG state).
     Returns [B, S, N*D]."""
@@ -284,14 +367,15 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
         from paddle.distributed.fleet.utils import recompute as run_again
 
         return run_again(lambda q_, k_, v_: attention(q_, k_, v_, bias, dropout, training, scale, flash,
-                                                      dropout_fn), q, k, v, use_reentrant=False)
+                                                      dropout_fn, alibi), q, k, v, use_reentrant=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(bias, PackedRows):
-        return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn)
-    return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn)
+        return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn, alibi)
+    return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi)
 
 
-def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, dropout_fn=None):
+def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, dropout_fn=None,
+                     alibi=None):
     B, N, S, D = q.shape
     K, T = k.shape[1], k.shape[2]
     g = N // K
@@ -300,6 +384,10 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if scale != 1.0:
         scores = scores * scale
+    if alibi is not None:   # + slope_n · j: [1, N, 1, T] over [B, N, S, T]
+        keys = paddle.arange(T, dtype=scores.dtype).reshape([1, 1, 1, T])
+        extra = alibi.astype(scores.dtype).reshape([1, N, 1, 1]) * keys
+        scores = (scores.reshape([B, N, S, T]) + extra).reshape([B, K, g * S, T])
     probs = None
     if bias is not None:   # bool [B|1, 1, S, T], True = blocked; one pass on the CPU kernels
         probs = kernels.masked_softmax(scores.reshape([B, N, S, T]), bias)

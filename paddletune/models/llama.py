@@ -1,6 +1,9 @@
-"""Llama-family decoder: Llama 1/2/3, Qwen2 (q/k/v bias), Mistral-style (no sliding window).
+"""Llama-family decoder: Llama 1/2/3, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Mistral-style (no
+sliding window).
 
-One file, differences are config flags: `qkv_bias` (Qwen2), `attention_bias` (bias on q,k,v,o),
+One file, differences are config flags: `qkv_bias` (Qwen2), `qk_norm` (Qwen3: every query and key
+head is RMS-normalised over its head_dim by q_norm / k_norm [D] before the rotation),
+`attention_bias` (bias on q,k,v,o),
 `mlp_bias`, `tie_word_embeddings`, explicit `head_dim`, rope scaling (default, linear,
 dynamic NTK, llama3), GQA/MQA through `num_key_value_heads`.
 
@@ -50,6 +53,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     qkv_bias: bool = False
+    qk_norm: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -65,6 +69,9 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d):
         mt = d.get("model_type", "llama")
+        if d.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window is true; sliding-window attention is "
+                             "not built (set it to false to attend over the whole sequence)")
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         cfg = cls(
@@ -75,7 +82,7 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope=normalize_rope(d),
-            qkv_bias=attn_bias or mt == "qwen2", attention_bias=attn_bias,
+            qkv_bias=attn_bias or mt == "qwen2", qk_norm=mt == "qwen3", attention_bias=attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             hidden_act=d.get("hidden_act", "silu"),
@@ -112,6 +119,10 @@ class LlamaAttention(nn.Layer):
         self.k_proj = nn.Linear(H, K * D, bias_attr=qkv_bias)
         self.v_proj = nn.Linear(H, K * D, bias_attr=qkv_bias)
         self.o_proj = nn.Linear(N * D, H, bias_attr=None if cfg.attention_bias else False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.dropout = cfg.attention_dropout
         self.layer_idx = 0
 
@@ -121,6 +132,8 @@ class LlamaAttention(nn.Layer):
         q = self.q_proj(x).reshape([B, S, -1, self.head_dim])
         k = self.k_proj(x).reshape([B, S, -1, self.head_dim])
         v = self.v_proj(x).reshape([B, S, -1, self.head_dim])
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # [B, heads, S, D]; q carries the score scale
         q = ctx.rope.apply_heads_first(q, 1.0 / math.sqrt(self.head_dim))
         k = ctx.rope.apply_heads_first(k)
@@ -202,9 +215,11 @@ def _prefix_layout(cfg):
 
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# q_norm / k_norm (Qwen3) are [D] weights shared by every head: "partial", their gradient from a
+# rank's own heads is summed over the ranks
 _TP_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
             "gate_proj": "column", "up_proj": "column", "down_proj": "row",
-            "embed_tokens": "vocab", "lm_head": "column"}
+            "embed_tokens": "vocab", "lm_head": "column", "q_norm": "partial", "k_norm": "partial"}
 
 
 def _tp_parts(cfg):
@@ -228,6 +243,7 @@ SPECS = {}
 for _mt, _arch, _tiny_cfg, _tmpl in (
         ("llama", "LlamaForCausalLM", _tiny("llama"), "llama2"),
         ("qwen2", "Qwen2ForCausalLM", _tiny("qwen2", tie_word_embeddings=True), "chatml"),
+        ("qwen3", "Qwen3ForCausalLM", _tiny("qwen3", tie_word_embeddings=True, head_dim=32), "chatml"),
         ("mistral", "MistralForCausalLM", _tiny("mistral", sliding_window=None), "llama2")):
     SPECS[_mt] = register(ModelSpec(
         model_type=_mt, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, architectures=(_arch,),

@@ -46,14 +46,19 @@ class LossOutput:
         return self.loss_sum / paddle.clip(self.num_tokens, min=1.0)
 
 
-def linear_head(model):
+def linear_head(model, view=None):
     """(W, transposed) when logits = h @ W (W [H, V]) or h @ W^T (a tied embedding [V, H]) with a
-    plain bias-free head; None for a head that must run as a module (LoRA on lm_head, a bias)."""
+    plain bias-free head; None for a head that must run as a module (LoRA on lm_head, a bias).
+    A head with a `weight_transform` (layers.NormHead) gives the transformed weight. `view(p)`,
+    when given, is applied to the parameter first (tensor parallelism: its local shard)."""
     head = model.get_output_embeddings()
+    view = view or (lambda p: p)
     if head is None:
-        return model.get_input_embeddings().weight, True
-    if type(head) is nn.Linear and head.bias is None:
-        return head.weight, False
+        return view(model.get_input_embeddings().weight), True
+    transform = getattr(head, "weight_transform", None)
+    if (type(head) is nn.Linear or transform is not None) and head.bias is None:
+        w = view(head.weight)
+        return (transform(w) if transform is not None else w), False
     return None
 
 

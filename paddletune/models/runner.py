@@ -9,6 +9,10 @@ A family's model class subclasses `CausalLM` and defines only its parts (as HF n
                              the input embedding (logits = h @ E^T)
     rope_tables(positions)   the family's rotary tables for positions [B, S]: an object with
                              `apply_heads_first(x [B, S, heads, D], scale) -> [B, heads, S, D]`
+                             (default layers.NoRotary: families without rotary positions)
+    finish_embedding(h, ctx) optional: what follows the token lookup before the first block
+                             (learned absolute positions from ctx.positions, an embedding norm);
+                             default: nothing
 
 Everything else lives here, once: positions, the attention structure (causal / padding mask or
 packed rows), the KV cache and the learned prefix (`cache_hook`), embedding noise
@@ -27,7 +31,7 @@ import paddle
 import paddle.nn as nn
 
 from .cache import PrefixCache
-from .layers import attention_bias
+from .layers import NoRotary, attention_bias
 
 
 @dataclass
@@ -51,13 +55,15 @@ class BlockContext:
            tensor parallelism passes one that draws the one-process mask over all heads
     recompute: None, or "full_attn" / "core_attn" while training with that recompute granularity:
            the part of the block whose activations are recomputed in backward ("full" recomputes
-           whole blocks from the runner)"""
+           whole blocks from the runner)
+    positions: position ids [B, S] of this forward's tokens (learned position embeddings)"""
     rope: object
     mask: object = None
     cache: object = None
     flash: bool = False
     dropout: object = None
     recompute: object = None
+    positions: object = None
 
 
 class CausalLM(nn.Layer):
@@ -91,7 +97,11 @@ class CausalLM(nn.Layer):
         raise NotImplementedError
 
     def rope_tables(self, position_ids):
-        raise NotImplementedError
+        return NoRotary()
+
+    def finish_embedding(self, h, ctx):
+        """h [B, S, H] token embeddings (after embedding_hook) -> the first block's input."""
+        return h
 
     # ------------------------------------------------------------------ the runner
     def logits(self, h):
@@ -102,9 +112,10 @@ class CausalLM(nn.Layer):
         return head(h)
 
     def context(self, batch, seq, attention_mask=None, position_ids=None, cache=None,
-                segment_ids=None, dtype="float32"):
-        """(BlockContext, attention_mask): positions, rope tables and the attention structure.
-        The prefix hook (if any) supplies the cache and extends the mask when none is given."""
+                segment_ids=None, dtype="float32", input_ids=None):
+        """BlockContext: positions, rope tables and the attention structure. The prefix hook (if
+        any) supplies the cache and extends the mask when none is given. `input_ids` is for
+        families whose positions and mask depend on the tokens (ChatGLM-6B's [gMASK] / sop)."""
         if cache is None and self.cache_hook is not None:
             cache, attention_mask = self.cache_hook(attention_mask)
         past = cache.length if cache is not None else 0
@@ -112,7 +123,7 @@ class CausalLM(nn.Layer):
             position_ids = paddle.arange(past, past + seq, dtype="int64").unsqueeze(0).expand([batch, seq])
         mask = attention_bias(batch, seq, past, attention_mask, segment_ids, dtype=dtype)
         return BlockContext(self.rope_tables(position_ids), mask, cache, self.flash_attention,
-                            self.heads_dropout)
+                            self.heads_dropout, positions=position_ids)
 
     def embed(self, input_ids):
         h = self.get_input_embeddings()(input_ids)
@@ -157,8 +168,8 @@ class CausalLM(nn.Layer):
                 segment_ids=None, return_hidden=False):
         B, S = input_ids.shape
         h = self.embed(input_ids)
-        ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype)
-        h = self.run_layers(h, ctx)
+        ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype, input_ids)
+        h = self.run_layers(self.finish_embedding(h, ctx), ctx)
         if ctx.cache is not None:
             ctx.cache.advance(S)
         h = self.final_norm()(h)

@@ -14,7 +14,7 @@ class ModelSpec:
     model_cls: type                    # a runner.CausalLM subclass: the family's parts only
     architectures: Tuple[str, ...]     # config.json "architectures" written on save
     # HF tensor names of 2-D weights that are NOT nn.Linear weights (embeddings): hf.py transposes
-    # every other 2-D ".weight" between HF [out, in] and paddle [in, out].
+    # every other 2-D ".weight" between HF [out, in] and paddle [in, out] (but see stored_in_out).
     not_linear: Tuple[str, ...]
     # Default LoRA targets: regexes over module names (peft issue), e.g. r".*\.q_proj$".
     lora_targets: Tuple[str, ...]
@@ -48,6 +48,18 @@ class ModelSpec:
     conversion_fixups: Optional[Callable] = None
     # name of the attention sub-module of a decoder block (recompute_granularity full_attn)
     attention_module: Optional[str] = None
+    # regexes (full match) over HF tensor names of Linear weights the checkpoint already stores as
+    # [in, out], paddle's layout (GPT-2's Conv1D c_attn / c_proj / c_fc): hf.py keeps their layout
+    stored_in_out: Tuple[str, ...] = ()
+    # config.json's model_type when two families share one (ChatGLM-6B and ChatGLM2/3 both say
+    # "chatglm"): the registry key (model_type above) is then this project's own name, and
+    # claims(config dict) -> bool says which config.json files are this family's
+    hf_model_type: Optional[str] = None
+    claims: Optional[Callable] = None
+    # HF's base_model_prefix ("transformer.", "model."): a checkpoint saved from the base model
+    # (no head, tied) names its tensors without it, e.g. "h.0.attn.c_attn.weight"; hf.py's reader
+    # then adds it (only when no tensor name starts with it)
+    base_prefix: Optional[str] = None
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
@@ -58,17 +70,34 @@ def register(spec: ModelSpec):
     return spec
 
 
-def get_spec(model_type: str) -> ModelSpec:
-    from . import llama  # noqa: F401  (registers llama, qwen2, mistral)
+# the model files, each registering its ModelSpec(s) on import
+FAMILIES = ("llama", "chatglm2", "gpt2", "opt", "bloom", "baichuan", "qwen", "chatglm")
 
-    try:
-        from . import chatglm2  # noqa: F401
-    except ImportError:
-        pass
+
+def get_spec(model_type: str) -> ModelSpec:
+    import importlib
+
+    for name in FAMILIES:
+        try:
+            importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as e:   # a family file not written yet / an optional dependency
+            if e.name != f"{__package__}.{name}" and name != "chatglm2":
+                raise
     if model_type not in _REGISTRY:
         raise ValueError(
             f"model_type '{model_type}' is not supported; supported: {sorted(_REGISTRY)}")
     return _REGISTRY[model_type]
+
+
+def spec_for_config(d):
+    """The ModelSpec of a config.json dict: the family that claims it among those sharing its
+    model_type, else the one registered under it."""
+    mt = d.get("model_type", "llama")
+    get_spec("llama")   # every family registered
+    for spec in _REGISTRY.values():
+        if spec.hf_model_type == mt and spec.claims is not None and spec.claims(d):
+            return spec
+    return get_spec(mt)
 
 
 def registered_types():

@@ -30,6 +30,24 @@ BUILTIN = {
                                                 kv_channels=32, num_attention_heads=4,
                                                 multi_query_group_num=2, seq_length=1024,
                                                 tokenizer="tiny-chatglm-tokenizer")),
+    "paddletune/tiny-qwen3": ("qwen3", dict(hidden_size=128, intermediate_size=352, head_dim=32,
+                                           num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=1024)),
+    "paddletune/tiny-gpt2": ("gpt2", dict(n_embd=128, n_inner=352, n_layer=4, n_head=4,
+                                         n_positions=1024)),
+    "paddletune/tiny-opt": ("opt", dict(hidden_size=128, word_embed_proj_dim=128, ffn_dim=352,
+                                       num_hidden_layers=4, num_attention_heads=4,
+                                       max_position_embeddings=1024)),
+    "paddletune/tiny-bloom": ("bloom", dict(hidden_size=128, n_layer=4, n_head=4)),
+    "paddletune/tiny-baichuan2": ("baichuan", dict(hidden_size=128, intermediate_size=352,
+                                                  num_hidden_layers=4, num_attention_heads=4,
+                                                  max_position_embeddings=1024)),
+    "paddletune/tiny-baichuan2-13b": ("baichuan", dict(hidden_size=128, intermediate_size=352,
+                                                      num_hidden_layers=4, num_attention_heads=4,
+                                                      position_embedding="alibi")),
+    "paddletune/tiny-qwen": ("qwen", dict(hidden_size=128, intermediate_size=704, kv_channels=32,
+                                         num_hidden_layers=4, num_attention_heads=4,
+                                         tokenizer="tiny-qwen-tokenizer")),
 }
 
 # the built-in models' chat template: "plain" renders a {src, tgt} row as exactly the tokens the
@@ -132,7 +150,8 @@ def builtin_model_dir(name):
 
 
 def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
-    name = "tokenizer.json" if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else "tokenizer.model"
+    name = next((n for n in ("tokenizer.json", "tokenizer.model", "qwen.tiktoken")
+                 if os.path.exists(os.path.join(tok_dir, n))), "tokenizer.model")
     with open(os.path.join(tok_dir, name), "rb") as f:
         return hashlib.sha1(f.read()).hexdigest()[:10]
 

@@ -12,6 +12,9 @@ how each Linear / Embedding is cut (paddle layout: Linear weight [in, out], Embe
     "row"     weight split along axis 0 (input features); the bias is whole on every rank and
               added once, after the partial outputs are summed
     "vocab"   an embedding [V, H] split along axis 0 (vocabulary rows)
+    "partial" a replicated parameter applied inside the split region, to this rank's heads only
+              (Qwen3's per-head q_norm / k_norm [D]): whole on every rank, but each rank's
+              gradient is the part from its own heads, so the gradients are all-reduced (summed)
 The LM head is a "column" layer whose output axis is the vocabulary. Vocabulary axes (the "vocab"
 embedding and the LM head) are padded to a multiple of the degree: V = 601 at TP 2 gives each rank
 301 rows (rank 1's last row is padding, masked out of every softmax and never exported).
@@ -147,6 +150,12 @@ def module_kind(spec, module_name):
     (LoRA's base_layer) are looked through: "x.q_proj.base_layer" is a q_proj."""
     parts = [p for p in module_name.split(".") if p != "base_layer"]
     return spec.tp_plan.get(parts[-1]) if parts else None
+
+
+def partial_grad(spec, name):
+    """True when parameter `name`'s gradient is a partial sum over the tensor-parallel ranks
+    (its module is "partial" in the plan)."""
+    return module_kind(spec, _owner(name)[0]) == "partial"
 
 
 def _owner(name):

@@ -38,7 +38,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
-from .plan import module_kind, param_split, slice_array
+from .plan import module_kind, param_split, partial_grad, slice_array
 
 logger = logging.getLogger("paddletune")
 
@@ -149,9 +149,11 @@ def sliced_dropout(x, p, axis, tp, training=True):
 # ------------------------------------------------------------------------------ executors
 
 def _linear(layer, x):
-    """x @ W without the bias: paddle Linear (W local [in, out]) or a quantized linear."""
+    """x @ W without the bias: paddle Linear (W local [in, out], through the layer's
+    `weight_transform` when it has one: layers.NormHead) or a quantized linear."""
     if isinstance(layer, nn.Linear):
-        return paddle.matmul(x, layer.weight)
+        transform = getattr(layer, "weight_transform", None)
+        return paddle.matmul(x, layer.weight if transform is None else transform(layer.weight))
     return layer.algo.matmul(x, layer)
 
 
@@ -340,8 +342,14 @@ def replicated_columns(model, name, p, tp):
 
 def sum_replicated_grads(model, named, grads, tp):
     """A replicated key/value head's gradient on each of its c ranks is the part from that rank's
-    query heads: sum it over those c ranks (in place in `grads`, aligned with `named`)."""
+    query heads: sum it over those c ranks (in place in `grads`, aligned with `named`). A
+    "partial" parameter's gradient (a replicated weight applied to each rank's own heads) is
+    summed over the whole tensor-parallel group."""
     for i, (name, p) in enumerate(named):
+        if partial_grad(model.spec, name):
+            g = local(grads[i]) if grads[i].is_dist() else grads[i]
+            tp.all_reduce(g)
+            continue
         for axis, l0, n, c in replicated_columns(model, name, p, tp):
             g = grads[i]
             part = paddle.slice(g, [axis], [l0], [l0 + n]).clone()
@@ -391,7 +399,8 @@ def install(model, tp):
     spec = model.spec
     for name, m in model.named_sublayers():
         kind = module_kind(spec, name)
-        if kind is None or getattr(m, "_pt_tp", False) or not hasattr(m, "weight") and not hasattr(m, "algo"):
+        if (kind not in ("column", "row", "vocab") or getattr(m, "_pt_tp", False)
+                or not hasattr(m, "weight") and not hasattr(m, "algo")):
             continue
         fwd = {"column": column_forward, "row": row_forward, "vocab": vocab_embedding_forward}[kind](tp)
         m.forward = types.MethodType(fwd, m)
@@ -399,6 +408,9 @@ def install(model, tp):
         widths = local_part_widths(model, name, tp)
         if widths is not None:   # the rank's width of every output part (fused q|k|v)
             m.part_widths = widths
+        first = local_first_head(model, name, tp)
+        if first is not None:    # the global index of the rank's first head (ALiBi slopes)
+            m.head_offset = first
     blocks = list(model.decoder_layers())
     for block in blocks:
         run_locally(block)
@@ -421,6 +433,18 @@ def local_part_widths(model, module_name, tp):
     return [n for _, n, _ in split.boxes([0, sum(split.parts)], tp.rank, tp.degree)]
 
 
+def local_first_head(model, module_name, tp):
+    """Global index of the first attention head in this rank's output of a column module whose
+    ModelSpec.tp_parts give head counts (its first part with heads), else None."""
+    split = param_split(model.spec, model.config, module_name + ".weight", [])
+    if split.axis is None or not split.heads or all(h is None for h in split.heads):
+        return None
+    i = next(j for j, h in enumerate(split.heads) if h is not None)
+    width, heads = split.part_widths(0)[i], split.heads[i]
+    offset, _ = split._piece(width, heads, tp.rank, tp.degree)
+    return offset // (width // heads)
+
+
 def finalize(model, tp):
     """After PEFT: place the new parameters, hook LoRA's collectives and the prefix encoder."""
     from ..peft.lora import LoRALinear
@@ -436,6 +460,8 @@ def finalize(model, tp):
                 m.input_dropout = lambda x, p, training: sliced_dropout(x, p, -1, tp, training)
             if getattr(m.base_layer, "part_widths", None) is not None:
                 m.part_widths = m.base_layer.part_widths   # the wrapper is what the model calls
+            if getattr(m.base_layer, "head_offset", None) is not None:
+                m.head_offset = m.base_layer.head_offset
             m._pt_tp = True
     enc = getattr(model, "prefix_encoder", None)
     if enc is not None and not getattr(enc, "_pt_tp", False):

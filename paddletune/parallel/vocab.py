@@ -134,11 +134,10 @@ def tp_hidden_loss(model, hidden, labels, keep_logits=False):
     tp = model.tensor_parallel
     h_sel, t_sel = select_targets(hidden, labels)
     n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
-    head = linear_head(model)
+    head = linear_head(model, view=_local_view)
     if head is None:
         raise ValueError("tensor parallelism needs a plain linear LM head (no LoRA / bias on it)")
     w, transposed = head
-    w = _local_view(w)
     vocab = model.config.vocab_size
     if model.training and not keep_logits and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
         return LossOutput(VocabParallelCE.apply(h_sel, w, t_sel, transposed, tp, vocab), n, None, t_sel)
