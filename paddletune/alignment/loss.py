@@ -123,8 +123,15 @@ def dpo_losses(cfg, c, r, c0, r0, nc, nr):
         ckl, rkl = paddle.clip((c - c0).mean(), min=0), paddle.clip((r - r0).mean(), min=0)
         return 0.5 * ((1 - F.sigmoid(b * (c - c0 - rkl))) + (1 - F.sigmoid(b * (ckl - (r - r0)))))
     if kind == "or":
-        return -ls((c - r) - (paddle.log1p(-paddle.exp(c)) - paddle.log1p(-paddle.exp(r))))
+        return -ls((c - r) - (log1mexp(c) - log1mexp(r)))
     raise ValueError(f"unknown loss_type {kind!r} (args.py lists the choices)")
+
+
+def log1mexp(x):
+    """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
+    near = x > -0.6931471805599453
+    return paddle.where(near, paddle.log(-paddle.expm1(paddle.where(near, x, -paddle.ones_like(x)))),
+                        paddle.log1p(-paddle.exp(paddle.where(near, -paddle.ones_like(x), x))))
 
 
 def _mean_parts(values, weights=None):
