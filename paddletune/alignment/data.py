@@ -77,10 +77,9 @@ def _answer_text(value, where, what):
     """The response text of a TRL field: a string, or a list holding one assistant message."""
     if isinstance(value, str):
         return value
-    msgs = _messages(value, where, what) if isinstance(value, list) and value and isinstance(value[0], dict) \
-        else None
-    if msgs and len(msgs) == 1 and msgs[0]["role"] == "assistant":
-        return msgs[0]["content"]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) and \
+            value[0].get("role") == "assistant" and isinstance(value[0].get("content"), str):
+        return value[0]["content"]
     raise DataError(f"{where}: \"{what}\" must be a string or a list with one assistant message")
 
 
