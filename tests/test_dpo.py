@@ -374,3 +374,10 @@ def test_shipped_argument_files_parse_without_warnings_and_train(tmp_path, name)
         assert script_run(DPO, [path, "--output_dir", str(out), "--max_steps", "2", "--eval_steps", "2",
                                 "--save_steps", "2"])["rc"] == 0
         assert (out / "adapter_model.safetensors").exists() and (out / "checkpoint-2" / "adapter_config.json").exists()
+
+
+def test_readme_key_table_is_generated():
+    from paddletune.alignment.args import markdown_table
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert markdown_table() in text.split("<!-- ALIGNMENT-ARGS:BEGIN")[1].split("<!-- ALIGNMENT-ARGS:END")[0]

@@ -43,7 +43,7 @@ class PreferenceDataArgument:
 
 @dataclass
 class DPOConfig:
-    beta: float = F(0.1, "DPO beta: rewards are beta x (log p_policy - log p_reference) of a response")
+    beta: float = F(0.1, "beta: a response's reward is beta x (log p_policy - log p_reference); the strength of the pull towards the reference")
     simpo_gamma: float = F(0.5, "SimPO target margin gamma (loss_type simpo)")
     label_smoothing: float = F(0.0, "conservative DPO: the preference label is wrong with this probability (sigmoid, simpo)")
     loss_type: str = F("sigmoid", "sigmoid (DPO), hinge (RSO), ipo, kto_pair, sppo_hard, nca_pair, dpop, or / orpo (ORPO), simpo", choices=list(DPO_LOSSES))
@@ -56,7 +56,7 @@ class DPOConfig:
 
 @dataclass
 class KTOConfig:
-    beta: float = F(0.1, "KTO beta: rewards are beta x (log p_policy - log p_reference) of a completion")
+    beta: float = F(0.1, "beta: a response's reward is beta x (log p_policy - log p_reference); the strength of the pull towards the reference")
     desirable_weight: float = F(1.0, "weight of the desirable (label 1) examples' losses")
     undesirable_weight: float = F(1.0, "weight of the undesirable (label 0) examples' losses")
 
@@ -98,6 +98,21 @@ class PreferenceArgs:
 
     def source(self, key):
         return self.sources.get(key, "arguments")
+
+
+def markdown_table():
+    """The README's table of the DPO / KTO keys (generated, so it cannot drift)."""
+    rows = ["| key | script | default | status | meaning |", "|---|---|---|---|---|"]
+    seen = {}
+    for kind in ("dpo", "kto"):
+        for name, (cls, f) in own_table(kind).items():
+            seen.setdefault(name, (cls, f, []))[2].append(kind)
+    for name, (cls, f, kinds) in seen.items():
+        m = f.metadata
+        status = {"implemented": "implemented", "no_effect": "accepted, warns: " + (m["why"] or ""),
+                  "refused": "refused: " + (m["why"] or "")}[m["status"]]
+        rows.append(f"| `{name}` | {' / '.join(k.upper() for k in kinds)} | `{f.default}` | {status} | {m['help']} |")
+    return "\n".join(rows)
 
 
 def help_text(kind):
