@@ -73,7 +73,8 @@ class FrozenReference:
     """A frozen second model (full fine-tuning: PaddleNLP's and TRL's ref_model)."""
 
     def __init__(self, model):
-        self.model = model.eval()
+        model.eval()
+        self.model = model
         for p in model.parameters():
             p.stop_gradient = True
 
