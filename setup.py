@@ -23,7 +23,7 @@ setup(
         "cpu": ["paddlepaddle==3.3.1"],
         "gpu": ["paddlepaddle-gpu==3.3.1"],
         # test oracles only: never imported by the library
-        "test": ["pytest", "torch==2.13.0", "transformers", "peft", "psutil", "sacrebleu", "rouge-score",
-                 "tiktoken"],
+        "test": ["pytest", "torch==2.13.0", "transformers", "peft", "trl", "psutil", "sacrebleu",
+                 "rouge-score", "tiktoken"],
     },
 )

@@ -37,6 +37,10 @@ class LossOutput:
     label_argmax: Optional[paddle.Tensor] = None
     # the tensor-parallel group whose vocabulary shards label_logits are (None: the whole vocabulary)
     vocab_parallel: Optional[object] = None
+    # extra metrics of a loss that is not token cross-entropy (preference training): {name: (sum,
+    # count)} float32 scalar tensors; the Trainer reports sum / count over the logging interval or
+    # the eval set (the loss function's `metric_names` lists the names)
+    metrics: Optional[dict] = None
 
     def predictions(self):
         return self.label_argmax if self.label_argmax is not None else self.label_logits.argmax(-1)

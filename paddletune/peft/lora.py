@@ -15,7 +15,10 @@ and torch `peft` loads them as they are. The base layer may be paddle nn.Linear 
 `in_features` / `out_features` (quantized backbones, QLoRA).
 
 Merging (W [in, out] += s * A @ B) happens only when `merge()` is called, never in eval().
+`with adapters_disabled(model):` runs the base model alone (the frozen reference of DPO / KTO:
+no second copy of the weights).
 """
+import contextlib
 import json
 import logging
 import math
@@ -58,6 +61,7 @@ class LoRALinear(nn.Layer):
         self.lora_B = nn.Linear(r, self.out_features, bias_attr=False,
                                 weight_attr=nn.initializer.Constant(0.0))
         self.merged = False
+        self.disabled = False   # adapters_disabled(): the base layer alone
         # set by paddletune.parallel under tensor parallelism (None: one device): `between(z)` runs
         # the collective on the rank-r activation z = x @ A, `input_dropout(x, p, training)` draws
         # the one-process mask for an input split across ranks
@@ -66,7 +70,7 @@ class LoRALinear(nn.Layer):
 
     def forward(self, x):
         y = self.base_layer(x)
-        if self.merged:
+        if self.merged or self.disabled:
             return y
         h = x
         if self.dropout > 0:
@@ -109,6 +113,22 @@ class LoRALinear(nn.Layer):
 
 def lora_layers(model):
     return {n: m for n, m in model.named_sublayers() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Within the block every LoRALinear of `model` returns its base layer's output (the model
+    without adapters); refused for merged adapters, whose base weight already holds them."""
+    layers = list(lora_layers(model).values())
+    if any(m.merged for m in layers):
+        raise ValueError("adapters_disabled: the adapters are merged into the base weights; unmerge first")
+    for m in layers:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.disabled = False
 
 
 def merge(model):

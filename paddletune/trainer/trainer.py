@@ -5,6 +5,8 @@ rank counts its target tokens, the counts are summed over ranks (N), and each mi
 back-propagates loss_sum / N. Summing gradients over ranks then gives the gradient of
 (sum of all token losses in the global batch) / N, which is also the logged loss. So batch 4 x
 accumulation 1, batch 1 x accumulation 4 and 2 ranks x batch 2 agree however lengths differ.
+A loss over other units (preference pairs, paddletune/alignment) puts their number in each
+micro-batch as "loss_count"; N counts those instead.
 
 Per step: forward/backward of this rank's micro-batches -> gradients summed over data-parallel
 ranks -> global-norm clipping -> AdamW -> (log, eval, checkpoint as configured).
@@ -111,6 +113,10 @@ class Trainer:
         self.train_source = train_source
         self.callbacks = list(callbacks)
         self.loss_fn = loss_fn or lm_loss_for(model)   # f(model, batch) -> models.loss.LossOutput
+        # a loss function may name extra batch keys it reads and the metrics its LossOutput carries
+        self.batch_keys = LOSS_KEYS + tuple(getattr(self.loss_fn, "batch_keys", ()))
+        self.metric_names = tuple(getattr(self.loss_fn, "metric_names", ()))
+        self._metric_acc = None
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
         self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
@@ -167,7 +173,7 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def _forward(self, batch):
         """models.loss.LossOutput of one micro-batch (numpy arrays from the collator)."""
-        inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in LOSS_KEYS}
+        inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in self.batch_keys}
         enabled, dtype, level = self.amp
         with paddle.amp.auto_cast(enable=enabled, dtype=dtype, level=level):
             return self.loss_fn(self.model, inputs)
@@ -177,10 +183,12 @@ class Trainer:
         Returns (loss: the global batch's mean token loss, a tensor; grad norm, a tensor; target
         tokens and real tokens of the global batch, floats). Host syncs per step: the token counts
         (summed over ranks before the first backward) and the gradient norm (for clipping)."""
-        n_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        tgt_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        n_local = sum(int(np.sum(b["loss_count"])) for b in micro_batches) if all(
+            "loss_count" in b for b in micro_batches) else tgt_local
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
-        n_global, real_global = self.topo.all_reduce_scalars([n_local, real_local])
+        n_global, real_global, tgt_global = self.topo.all_reduce_scalars([n_local, real_local, tgt_local])
         loss_acc = self._backward(micro_batches, n_global)
         names = list(self.trainable)
         named = [(n, self.trainable[n]) for n in names]
@@ -203,7 +211,34 @@ class Trainer:
         self.optimizer.step(dict(zip(names, grads)), lr)
         for p in self.trainable.values():
             p.clear_gradient(False)
-        return loss_acc / max(n_global, 1.0), norm, n_global, real_global
+        return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
+
+    def _new_metrics(self):
+        return {n: [paddle.zeros([], "float32"), paddle.zeros([], "float32")] for n in self.metric_names}
+
+    def _add_metrics(self, metrics, acc=None):
+        """Add a LossOutput's {name: (sum, count)} to `acc` (default: the logging interval's)."""
+        if not self.metric_names or not metrics:
+            return
+        if acc is None:
+            self._metric_acc = self._metric_acc or self._new_metrics()
+            acc = self._metric_acc
+        for n in self.metric_names:
+            if n in metrics:
+                s, c = metrics[n]
+                acc[n][0] = acc[n][0] + s.detach().astype("float32")
+                c = c.detach().astype("float32") if isinstance(c, paddle.Tensor) else float(c)
+                acc[n][1] = acc[n][1] + c
+
+    def _reduce_metrics(self, acc):
+        """{name: sum / count} of `acc` over the data-parallel ranks (names whose count is 0 left
+        out); one collective for all of them, on every rank."""
+        if not self.metric_names:
+            return {}
+        acc = acc or self._new_metrics()
+        t = self.topo.all_reduce_sum(paddle.stack([acc[n][i] for i in (0, 1) for n in self.metric_names]))
+        v, k = t.numpy().astype(np.float64), len(self.metric_names)
+        return {n: float(v[i] / v[k + i]) for i, n in enumerate(self.metric_names) if v[k + i] > 0}
 
     def _backward(self, micro_batches, n_global):
         """Forward + backward of this rank's micro-batches, each back-propagating loss_sum / N;
@@ -217,9 +252,12 @@ class Trainer:
             return self.pp.sum_over_stages(acc)
         loss_acc = paddle.zeros([], "float32")
         for b in micro_batches:
-            loss_sum = self._forward(b).loss_sum
+            out = self._forward(b)
+            loss_sum = out.loss_sum
+            self._add_metrics(out.metrics)
             # the output is dropped before backward: its label logits ([n, vocab], not needed by
             # the backward pass) would otherwise stay alive through it
+            del out
             (loss_sum / max(n_global, 1.0)).backward()
             loss_acc = loss_acc + loss_sum.detach().astype("float32")
         return loss_acc
@@ -266,6 +304,7 @@ class Trainer:
         interval = {"loss": paddle.zeros([], "float32"), "steps": 0, "tokens": 0.0, "targets": 0.0,
                     "t0": time.time(), "norm": None}
         epoch, start = st["epoch"], st["step_in_epoch"]
+        self._metric_acc = self._new_metrics()
         while st["global_step"] < total:
             for s, micro in source.iterate(epoch, start):
                 lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
@@ -322,6 +361,8 @@ class Trainer:
                "lr": info["lr"], "grad_norm": norm,
                "tokens_per_sec": round(interval["tokens"] / dt, 1),
                "target_tokens_per_sec": round(interval["targets"] / dt, 1)}
+        rec.update(self._reduce_metrics(self._metric_acc))
+        self._metric_acc = self._new_metrics()
         self._record(rec)
         interval.update(loss=paddle.zeros([], "float32"), steps=0, tokens=0.0, targets=0.0,
                         t0=time.time())
@@ -407,20 +448,26 @@ class Trainer:
         loss_sum = paddle.zeros([], "float32")
         count = paddle.zeros([], "float32")
         correct = paddle.zeros([], "float32")
+        extra = self._new_metrics()
         for idx in batches[rank::world]:
             out = self._eval_batch(self.collate([ds[i] for i in idx]))
             if out is None:   # a pipeline stage before the last
                 continue
             loss_sum += out.loss_sum.astype("float32")
             count += out.num_tokens
-            correct += (out.predictions() == out.label_targets).astype("float32").sum()
+            if out.label_targets is not None:   # token losses (not preference pairs)
+                correct += (out.predictions() == out.label_targets).astype("float32").sum()
+            self._add_metrics(out.metrics, extra)
         stats = paddle.stack([loss_sum, count, correct])
         if self.pp is not None:   # the last stage's sums, to every stage
             stats = self.pp.sum_over_stages(stats)
         total = self.topo.all_reduce_sum(stats)
         loss_sum, count, correct = (float(x) for x in total.numpy())
         loss = loss_sum / max(count, 1.0)
-        metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
+        if self.metric_names:   # a loss of its own: its metrics instead of ppl / token accuracy
+            metrics = {"loss": loss, **self._reduce_metrics(extra)}
+        else:
+            metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
         if self.eval_fn is not None:
             metrics.update(self.eval_fn(self))
         self._record({"step": self.state["global_step"], **{f"eval_{k}": v for k, v in metrics.items()}})
