@@ -386,3 +386,27 @@ def test_readme_key_table_is_generated():
 
     text = open(os.path.join(ROOT, "README.md")).read()
     assert markdown_table() in text.split("<!-- ALIGNMENT-ARGS:BEGIN")[1].split("<!-- ALIGNMENT-ARGS:END")[0]
+
+
+def test_dpo_output_dir_is_locked_for_the_job(tmp_path):
+    """run_dpo.py (and run_kto.py, the same main) claims output_dir like finetune_generation.py:
+    a second job on a directory another live process holds is refused with exit 2 before any work."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from paddletune import outdir; outdir.claim(sys.argv[2]); print('held', flush=True); "
+                               "time.sleep(60)", ROOT, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        _, argv = paddlenlp_argv("llama/dpo_argument.json", tmp_path, out)
+        r = subprocess.run([sys.executable, DPO] + argv + ["--max_steps", "2"], capture_output=True,
+                           text=True, cwd=ROOT)
+        errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and f"PID {holder.pid}" in errors[0], r.stderr[-2000:]
+        assert sorted(os.listdir(out)) == [".paddletune.lock"]
+    finally:
+        holder.kill()
+        holder.wait()

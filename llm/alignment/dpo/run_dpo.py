@@ -21,16 +21,16 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
     import paddletune  # noqa: F401
 
-from paddletune import parallel, peft, runtime
+from paddletune import cli, outdir, parallel, peft, runtime
 from paddletune.alignment.args import ArgumentError, parse_args
 from paddletune.alignment.data import PackedPairSource, build_preference_datasets, padded_collate
 from paddletune.alignment.loss import AdapterOffReference, DPOLoss, FrozenReference, KTOLoss
 from paddletune.data import DataError
-from paddletune.models import load_config, load_model, resolve_model_path
+from paddletune.models import check_checkpoint, check_tokenizer, load_config, load_model, resolve_model_path
 from paddletune.parallel.plan import check_layout
 from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
-from paddletune.trainer.checkpoint import resume_path
+from paddletune.trainer.checkpoint import resume_path, verify_checkpoint
 
 
 def prepare(argv, kind):
@@ -39,17 +39,20 @@ def prepare(argv, kind):
     args = a.training
     if not args.do_train and not args.do_eval:
         raise ArgumentError("nothing to do: set do_train and/or do_eval to true")
+    if parallel.world_from_env()[1] == 0:   # rank 0 tests output_dir and locks it for the job
+        outdir.claim(args.output_dir)
     model_path = resolve_model_path(a.model.model_name_or_path)
     spec, config = load_config(model_path)
     degrees = parallel.degrees_from_args(args, parallel.world_from_env()[0])
     check_layout(spec, config, degrees["tp"])
     tok = load_tokenizer(a.model.tokenizer_name_or_path or model_path)
-    explicit = args.resume_from_checkpoint is not None
+    check_tokenizer(config, tok, model_path)
+    check_checkpoint(model_path, config)   # weight files: headers, names, shapes, dtypes
+    # PaddleNLP habit: rerunning continues from the latest checkpoint (the Trainer says so)
     args.resume_from_checkpoint = resume_path(args.output_dir, args.resume_from_checkpoint,
                                               args.overwrite_output_dir)
-    if args.resume_from_checkpoint and not explicit:   # PaddleNLP habit: rerunning continues
-        runtime.logger.info("found %s: resuming (set overwrite_output_dir to start over)",
-                            args.resume_from_checkpoint)
+    if args.resume_from_checkpoint:
+        verify_checkpoint(args.resume_from_checkpoint)   # checksums: a damaged file fails here
     peft.validate(a.model, model_path)
     train_ds, dev_ds = build_preference_datasets(a, tok)
     return a, model_path, tok, train_ds, dev_ds
@@ -65,6 +68,7 @@ def reference_for(a, setup, model_path, topo):
     return FrozenReference(load_model(model_path, topology=topo, quant=a.quant))
 
 
+@cli.entry   # any later error (loading, resuming, a bad data line, a full disk): one line, exit 2
 def main(argv=None, kind="dpo"):
     logger = runtime.setup_logging(int(os.environ.get("PADDLE_TRAINER_ID", "0")))
     try:
