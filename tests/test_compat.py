@@ -191,6 +191,11 @@ RUN_TWO_STEPS = [   # one file per job and per accepted feature
     "qwen/ssa_argument.json",           # no/no strategies with load_best_model_at_end, generation eval unused
     "llama/flashmask/lora.json",        # benchmark mode, greedy zero padding, lazy data, flash_mask
     "qwen/sft_argument_0p5b_best.json",  # fused-kernel keys, zero padding
+    "llama/wint8_lora_argument.json",   # LoRA on a weight-only int8 backbone
+    "llama/sft_long_argument.json",     # lazy data, recompute full, fused-head keys, flash_mask
+    "llama/longlora.json",              # LoRA with pissa / use_mora off, sharding stage1 on one rank
+    "chatglm2/sft_argument.json",       # ChatGLM2 SFT, fp16 on CPU
+    "chatglm2/pt_argument.json",        # ChatGLM2 prefix tuning
 ]
 
 
