@@ -228,3 +228,39 @@ def claim(output_dir, key="output_dir"):
 def release_all():
     while _HELD:
         _HELD.pop().release()
+
+
+SHARED_MARK = ".paddletune-shared-"
+
+
+def check_shared(output_dir, topo):
+    """Every rank of a launched job must see the output_dir rank 0 writes (one machine always
+    does; several nodes need a shared file system there): rank 0 puts a marker file with a random
+    name in it, every rank looks for that name, and all ranks learn the answer together. A rank
+    that does not see it fails the whole job with one message naming the ranks and hosts, before
+    any work. Collective: every rank calls it at the same point."""
+    if topo.world_size <= 1:
+        return
+    import secrets
+
+    d = os.path.abspath(output_dir)
+    mark = None
+    if topo.rank == 0:
+        os.makedirs(d, exist_ok=True)
+        mark = SHARED_MARK + secrets.token_hex(8)
+        with open(os.path.join(d, mark), "w") as f:
+            f.write(socket.gethostname() + "\n")
+    mark = topo.all_gather_json(mark)[0]
+    seen = os.path.exists(os.path.join(d, mark))
+    views = topo.all_gather_json({"seen": seen, "host": socket.gethostname()})
+    if topo.rank == 0:
+        try:
+            os.unlink(os.path.join(d, mark))
+        except FileNotFoundError:
+            pass
+    blind = [f"rank {r} on {v['host']}" for r, v in enumerate(views) if not v["seen"]]
+    if blind:
+        raise OutputDirError(
+            f"output_dir {d} is not shared: {', '.join(blind)} cannot see the directory rank 0 (on "
+            f"{views[0]['host']}) writes. A job over several nodes needs output_dir on a file "
+            "system every node mounts at the same path (NFS, a parallel file system)")

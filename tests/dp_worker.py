@@ -71,6 +71,10 @@ def train_case(ckpt_dir, out_dir, micro, accum, steps, resume=None, save_steps=0
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"ids-rank{topo.rank}.json"), "w") as f:
         json.dump(ids, f)
+    with open(os.path.join(out_dir, f"topology-rank{topo.rank}.json"), "w") as f:
+        json.dump({"world": topo.world_size, "rank": topo.rank, "data_degree": topo.data_degree,
+                   "data_rank": topo.data_rank, "nnodes": os.environ.get("PADDLE_NNODES"),
+                   "pid": os.getpid()}, f)
     losses = [e["loss"] for e in trainer.state["log_history"] if "loss" in e]
     if topo.is_main:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import paddle
 
-from .. import parallel, runtime
+from .. import outdir, parallel, runtime
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
 from ..models import check_finite
@@ -87,6 +87,7 @@ class Trainer:
         self.model, self.args, self.tokenizer = model, args, tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.topo = topology if topology is not None else parallel.init(args)
+        outdir.check_shared(args.output_dir, self.topo)   # every rank sees rank 0's output_dir
         pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
         self.collate = collate or (lambda ex: pad_batch(ex, pad_id))
         self.trainable = trainable if trainable is not None else {
