@@ -379,6 +379,37 @@ def test_shipped_argument_files_parse_without_warnings_and_train(tmp_path, name)
         assert script_run(DPO, [path, "--output_dir", str(out), "--max_steps", "2", "--eval_steps", "2",
                                 "--save_steps", "2"])["rc"] == 0
         assert (out / "adapter_model.safetensors").exists() and (out / "checkpoint-2" / "adapter_config.json").exists()
+        _adapter_loads_in_peft_with_our_logits(out)
+
+
+def _adapter_loads_in_peft_with_our_logits(out):
+    """The DPO-trained adapter is an HF-PEFT adapter: torch peft loads it offline on the recorded
+    base, and its logits equal paddletune's model with that adapter."""
+    import paddle
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    from paddletune.generation import load_for_generation
+
+    old = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        model = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    ids = [[1, 5, 9, 13, 21, 34, 55]]
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+        with model.disable_adapter():
+            ref_base = model(torch.tensor(ids)).logits.numpy()
+    base = json.load(open(out / "adapter_config.json"))["base_model_name_or_path"]
+    ours, _, _ = load_for_generation(base, lora_path=str(out))
+    got = ours(paddle.to_tensor(ids)).logits.numpy()
+    assert rel_err(got, ref) < 1e-4
+    # the adapter really acts (trained B != 0) and is resolved: the difference from peft is a
+    # small fraction of what the adapter changes
+    assert np.abs(got - ref).max() <= 0.01 * np.abs(ref - ref_base).max()
 
 
 def test_readme_key_table_is_generated():
