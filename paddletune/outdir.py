@@ -225,6 +225,19 @@ def claim(output_dir, key="output_dir"):
     return lock
 
 
+def holds(output_dir):
+    """Whether this process already holds the lock of `output_dir`."""
+    d = os.path.abspath(output_dir)
+    return any(lock.dir == d for lock in _HELD)
+
+
+def release(lock):
+    """Release one lock taken by claim."""
+    if lock in _HELD:
+        _HELD.remove(lock)
+    lock.release()
+
+
 def release_all():
     while _HELD:
         _HELD.pop().release()

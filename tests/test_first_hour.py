@@ -294,3 +294,49 @@ def test_trainer_api_token_ids_json_file_and_resume(tmp_path):
     model = load_model(resolve_model_path("paddletune/tiny-llama"))
     legacy = Trainer(model, args, train_dataset=lora.train_dataset)
     assert legacy.model is model
+
+
+def test_trainer_api_resumes_exactly_and_holds_the_output_dir_lock(tmp_path):
+    """A Trainer used from Python continues a checkpoint exactly (steps 4-5 after a resume at 3
+    equal an uninterrupted 5-step run) and, while it trains, holds output_dir's lock: a job that
+    already holds it makes train() fail naming that job, before any step."""
+    import subprocess
+    import sys
+
+    from paddletune.args import TrainingArguments
+    from paddletune.outdir import OutputDirError
+
+    ids = [[1] + list(range(5 + i, 12 + i)) + [2] for i in range(8)]
+
+    def args(out, steps, **kw):
+        return TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=3, logging_steps=1,
+                                 learning_rate=1e-3, per_device_train_batch_size=2, disable_tqdm=True,
+                                 warmup_steps=0, lr_scheduler_type="constant", **kw)
+
+    def losses(out):
+        return [json.loads(l)["loss"] for l in open(out / "train_log.jsonl") if '"loss"' in l]
+
+    paddletune.Trainer(args(tmp_path / "full", 5), "paddletune/tiny-llama", train_dataset=ids).train()
+    paddletune.Trainer(args(tmp_path / "cut", 3), "paddletune/tiny-llama", train_dataset=ids).train()
+    resumed = paddletune.Trainer(args(tmp_path / "cut", 5), "paddletune/tiny-llama", train_dataset=ids)
+    assert resumed.args.resume_from_checkpoint.endswith("checkpoint-3")
+    resumed.train()
+    full, cut = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert len(full) == 5 and len(cut) == 5
+    np.testing.assert_allclose(cut[3:], full[3:], rtol=1e-6)
+    assert cut[3] != full[2]   # steps 4-5 really trained after the resume
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from paddletune import outdir; outdir.claim(sys.argv[2]); print('held', flush=True); "
+                               "time.sleep(60)", ROOT, str(busy)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = paddletune.Trainer(args(busy, 2), "paddletune/tiny-llama", train_dataset=ids)
+        with pytest.raises(OutputDirError, match=f"PID {holder.pid}"):
+            t.train()
+        assert t.state["global_step"] == 0 and sorted(os.listdir(busy)) == [".paddletune.lock"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -289,6 +289,19 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def train(self):
+        """Train to max_steps / num_train_epochs (resuming first when resume_from_checkpoint is
+        set). Rank 0 holds output_dir's lock meanwhile (the scripts take it before any work; a
+        Trainer used from Python takes it here), so a second job there is refused."""
+        lock = None
+        if self.main and not outdir.holds(self.args.output_dir):
+            lock = outdir.claim(self.args.output_dir)
+        try:
+            return self._train()
+        finally:
+            if lock is not None:
+                outdir.release(lock)
+
+    def _train(self):
         a = self.args
         source = self._source()
         total = self.total_steps()
