@@ -1,29 +1,53 @@
 """Sharding (ZeRO-style) over the `sharding` axis: optimizer state, gradients, parameters.
 
 The S sharding ranks of a group are data-parallel ranks (each reads its own share of every global
-batch) that also split the training state. The trainable tensors are partitioned into S owners,
-whole tensors in model order, balancing numel (`partition`); rank r owns part r:
+batch: the data loader splits a global batch over dp x sharding ranks) that also split the
+training state. The trainable tensors (this rank's local shards under tensor / pipeline
+parallelism) are partitioned into S owners, whole tensors in model order, balancing numel
+(`partition`); sharding rank r owns part r:
 
     stage1  each rank keeps AdamW moments for its own tensors only; gradients are summed over the
             data ranks as without sharding; each owner updates its tensors and broadcasts them
             to the other ranks of its sharding group (one flat broadcast per owner)
-    stage2  gradients as well: each tensor's gradient is reduced to its owner only (then summed
-            over the pure data-parallel replicas of the group), the others drop theirs at once
+    stage2  gradients as well: the gradients are reduced to their owner only (one flat
+            dist.reduce per owner over the sharding group, then an all-reduce over the pure
+            data-parallel replicas of that owner), and every rank drops the gradients of the
+            tensors it does not own right after the reduction
     stage3  parameters as well: between steps a rank holds only its own tensors' values (the
             others' storage is released); they are broadcast from their owners at the start of a
-            step and released after the update. (Whole-step gathering: the peak during a step is
-            the unsharded model's; see the README.)
+            step (and for evaluation / export) and released after the update. Whole-step
+            gathering: the peak during a step is the unsharded model's; what stage3 saves is
+            the memory between steps (and the optimizer state and gradients of stage2). Frozen
+            parameters (a PEFT backbone, quantized weights) are not sharded.
+Example, 2 sharding ranks, tensors of numel [4, 4, 4, 4]: rank 0 owns the first two, keeps their
+moments (16 numbers instead of 32), under stage2 holds their two gradients after the reduction,
+under stage3 holds only their two values between steps.
+
+The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
+stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
+
 Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
-dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU).
+dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU); forward and
+backward are not touched (no collective inside autograd).
 
-Checkpoints stay layout-independent: each owner writes its tensors' moments under their names.
+Checkpoints stay layout-independent: each owner writes its tensors (and their moments) under their
+full names; the first pure data-parallel replica writes, so every tensor is written once.
 """
 import numpy as np
 import paddle
 import paddle.distributed as dist
+
+STAGES = ("stage1", "stage2", "stage3")
+
+
+def stage_of(value):
+    """The sharding stage (1, 2 or 3) of a `sharding` argument such as "stage2" or
+    "stage1 offload" (several stages: the highest), 0 when empty."""
+    words = (value or "").split()
+    return max([int(w[-1]) for w in words if w in STAGES] or [0])
 
 
 def partition(sizes, parts):
@@ -37,58 +61,130 @@ def partition(sizes, parts):
     return owners
 
 
-class Sharding:
-    """This rank's place in its sharding group and which trainable tensors it owns."""
+def numel(t):
+    return int(np.prod(t.shape)) if t is not None else 0
 
-    def __init__(self, topo, stage, names, numels):
+
+def resident_numel(tensors):
+    """Elements of the tensors that hold storage now (a released stage-3 parameter holds none)."""
+    return sum(numel(t) for t in tensors if t is not None and t._is_initialized())
+
+
+class Sharding:
+    """This rank's place in its sharding group, which trainable tensors it owns, and the
+    collectives of the stage. `named`: [(name, local tensor)] of the trainable tensors, in the
+    same order on every rank of the group."""
+
+    def __init__(self, topo, stage, named):
         self.topo, self.stage = topo, stage
         self.degree, self.rank = topo.sharding_degree, topo.sharding_rank
         self.ranks = topo.ranks("sharding")
         self.group = None if len(self.ranks) == topo.world_size else topo.groups["sharding"]
-        self.owner = dict(zip(names, partition(numels, self.degree)))
+        names = [n for n, _ in named]
+        self.shapes = {n: list(t.shape) for n, t in named}
+        self.dtypes = {n: t.dtype for n, t in named}
+        self.owner = dict(zip(names, partition([numel(t) for _, t in named], self.degree)))
         self.owned = [n for n in names if self.owner[n] == self.rank]
+        self.released = False
+        self.stats = {}   # what a rank holds, measured by the trainer (tests assert the split)
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
 
     def _dp(self):
-        """The pure data-parallel group (same sharding index), or None when there is none."""
-        if self.topo.dp_degree <= 1:
-            return None
-        ranks = self.topo.ranks("dp")
-        return None if len(ranks) == self.topo.world_size else self.topo.groups["dp"]
+        """(group, size) of the pure data-parallel replicas (same sharding index)."""
+        n = self.topo.dp_degree
+        if n <= 1:
+            return None, 1
+        return (None if n == self.topo.world_size else self.topo.groups["dp"]), n
 
-    def reduce_grads(self, named, grads):
-        """Stage 2+: each tensor's gradient summed into its owner (over the sharding group, then
-        over the data-parallel replicas); non-owned gradients become None."""
-        out = []
-        for (n, _), g in zip(named, grads):
-            dist.reduce(g, dst=self.ranks[self.owner[n]], group=self.group)
-            if self.owns(n):
-                if self.topo.dp_degree > 1:
-                    dist.all_reduce(g, group=self._dp())
-                out.append(g)
-            else:
-                out.append(None)
-        return out
+    def _by_owner(self, names):
+        return [(o, [n for n in names if self.owner[n] == o]) for o in range(self.degree)]
 
-    def broadcast_params(self, params, local):
+    def reduce_grads(self, names, grads):
+        """Stage 2+: gradients summed into their owner (one flat reduce per owner over the
+        sharding group, then an all-reduce over the data-parallel replicas); the returned list
+        holds the owner's summed gradients and None for every tensor this rank does not own."""
+        out = dict.fromkeys(names)
+        where = dict(zip(names, grads))
+        for owner, group_names in self._by_owner(names):
+            if not group_names:
+                continue
+            ts = [where[n] for n in group_names]
+            flat = paddle.concat([g.reshape([-1]).astype("float32") for g in ts])
+            dist.reduce(flat, dst=self.ranks[owner], group=self.group)
+            if owner != self.rank:
+                del flat
+                continue
+            dp, size = self._dp()
+            if size > 1:
+                dist.all_reduce(flat, group=dp)
+            for n, g, part in zip(group_names, ts, paddle.split(flat, [numel(g) for g in ts])):
+                out[n] = part.reshape(g.shape).astype(g.dtype)
+        return [out[n] for n in names]
+
+    def broadcast_params(self, params):
         """Every owner sends its tensors' values to its sharding group: one flat broadcast per
-        owner. params: {name: parameter}; local(p) -> the tensor to fill (a DTensor's shard)."""
-        for owner in range(self.degree):
-            names = [n for n in params if self.owner.get(n) == owner]
-            if not names:
-                continue
-            ts = [local(params[n]) for n in names]
-            flat = paddle.concat([t.reshape([-1]).astype("float32") for t in ts])
-            dist.broadcast(flat, src=self.ranks[owner], group=self.group)
-            if owner == self.rank:
-                continue
-            for t, part in zip(ts, paddle.split(flat, [int(np.prod(t.shape)) for t in ts])):
-                t.set_value(part.reshape(t.shape).astype(t.dtype))
+        owner. params: {name: local tensor}; a released tensor gets new storage (stage 3)."""
+        with paddle.no_grad():
+            for owner, names in self._by_owner(list(params)):
+                if not names:
+                    continue
+                sizes = [int(np.prod(self.shapes[n])) for n in names]
+                if owner == self.rank:
+                    flat = paddle.concat([params[n].reshape([-1]).astype("float32") for n in names])
+                else:
+                    flat = paddle.empty([sum(sizes)], "float32")
+                dist.broadcast(flat, src=self.ranks[owner], group=self.group)
+                if owner == self.rank:
+                    continue
+                for n, part in zip(names, paddle.split(flat, sizes)):
+                    value = part.reshape(self.shapes[n]).astype(self.dtypes[n])
+                    t = params[n]
+                    if t._is_initialized():
+                        t.set_value(value)
+                    else:   # released (stage 3): the received tensor's storage becomes its own
+                        value._share_buffer_to(t)
+        self.released = False
+
+    def gather(self, params):
+        """Stage 3: the released tensors filled from their owners (no-op when held)."""
+        if self.stage >= 3 and self.released:
+            self.broadcast_params(params)
+
+    def release(self, params):
+        """Stage 3: drop the storage of every tensor this rank does not own."""
+        if self.stage < 3:
+            return
+        for n, t in params.items():
+            if not self.owns(n) and t._is_initialized():
+                t._clear_data()
+        self.released = True
+
+    def after_step(self, params):
+        """After the owners' update: stages 1-2 send the new values to the group, stage 3
+        releases what this rank does not own (the owners send them at the next gather)."""
+        if self.stage >= 3:
+            self.release(params)
+        else:
+            self.broadcast_params(params)
 
     def square_norm(self, sq):
         """Stage 2+: the owners' squared-norm parts summed over the sharding group."""
         if self.degree > 1:
             dist.all_reduce(sq, group=self.group)
         return sq
+
+
+def for_trainer(args, topo, named):
+    """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
+    separate host memory on a CPU build: warned once."""
+    stage = stage_of(getattr(args, "sharding", ""))
+    if "offload" in (getattr(args, "sharding", "") or "").split() and not paddle.is_compiled_with_cuda():
+        from ..runtime import warn_once
+
+        warn_once("sharding_offload", "sharding offload keeps optimizer state in host memory on a GPU; "
+                  "on this CPU build host and device memory are the same, so it changes nothing")
+    if stage == 0 or topo.sharding_degree <= 1:
+        return None
+    return Sharding(topo, stage, named)
