@@ -93,7 +93,12 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                       callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0),
                                  lambda tr, info: held.append(_holdings(tr, info))])
     tpg = getattr(model, "tensor_parallel", None)
+    shard = getattr(trainer, "shard", None)   # stage 3 holds only its own tensors until a step
+    if shard is not None:
+        shard.gather(trainer.trainable)
     initial = _gather_trainable(model, trainer, tpg)
+    if shard is not None:
+        shard.release(trainer.trainable)
     if tpg is not None:
         tpg.log = []
     with engine_reshards.record(enabled=record and tpg is not None) as rec:
@@ -134,13 +139,13 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
 def _holdings(trainer, info):
     """After an optimizer step: this rank's example ids, its resident trainable elements, and
     what sharding measured (gradient / optimizer-state elements)."""
-    from paddletune.parallel.sharding import resident_numel
-
     ids = [int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()]
     shard = trainer.shard.stats if getattr(trainer, "shard", None) is not None else None
     opt = sum(int(t.size) for d in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
               for t in d.values())
-    return {"ids": ids, "resident": resident_numel(trainer._locals().values()), "shard": dict(shard or {}),
+    resident = (trainer.shard.resident(trainer.trainable) if shard is not None
+                else sum(paddle_numel(p) for p in trainer.trainable.values()))
+    return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
             "optimizer_numel": opt}
 
 

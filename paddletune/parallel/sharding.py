@@ -70,20 +70,33 @@ def resident_numel(tensors):
     return sum(numel(t) for t in tensors if t is not None and t._is_initialized())
 
 
+def _refill(p, value):
+    """Give released parameter `p` the storage of `value` (its local shard's values). A tensor-
+    parallel DTensor takes it as a DTensor with its own mesh and placements: clearing or filling
+    its _local_value() would only touch a temporary wrapper."""
+    if p.is_dist():
+        from paddle.distributed.auto_parallel.api import dtensor_from_local
+
+        value = dtensor_from_local(value, p.process_mesh, p.placements)
+    value._share_buffer_to(p)
+
+
 class Sharding:
     """This rank's place in its sharding group, which trainable tensors it owns, and the
-    collectives of the stage. `named`: [(name, local tensor)] of the trainable tensors, in the
-    same order on every rank of the group."""
+    collectives of the stage. `named`: [(name, parameter)] of the trainable tensors, in the same
+    order on every rank of the group; `local(p)` is a parameter's local shard (a DTensor's
+    _local_value() under tensor parallel), which is what is partitioned and sent."""
 
-    def __init__(self, topo, stage, named):
+    def __init__(self, topo, stage, named, local=lambda p: p):
         self.topo, self.stage = topo, stage
         self.degree, self.rank = topo.sharding_degree, topo.sharding_rank
         self.ranks = topo.ranks("sharding")
         self.group = None if len(self.ranks) == topo.world_size else topo.groups["sharding"]
         names = [n for n, _ in named]
-        self.shapes = {n: list(t.shape) for n, t in named}
-        self.dtypes = {n: t.dtype for n, t in named}
-        self.owner = dict(zip(names, partition([numel(t) for _, t in named], self.degree)))
+        self.local = local
+        self.shapes = {n: list(local(p).shape) for n, p in named}
+        self.dtypes = {n: p.dtype for n, p in named}
+        self.owner = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
         self.owned = [n for n in names if self.owner[n] == self.rank]
         self.released = False
         self.stats = {}   # what a rank holds, measured by the trainer (tests assert the split)
@@ -125,14 +138,15 @@ class Sharding:
 
     def broadcast_params(self, params):
         """Every owner sends its tensors' values to its sharding group: one flat broadcast per
-        owner. params: {name: local tensor}; a released tensor gets new storage (stage 3)."""
+        owner. params: {name: parameter}; a released one gets new storage (stage 3)."""
         with paddle.no_grad():
             for owner, names in self._by_owner(list(params)):
                 if not names:
                     continue
                 sizes = [int(np.prod(self.shapes[n])) for n in names]
                 if owner == self.rank:
-                    flat = paddle.concat([params[n].reshape([-1]).astype("float32") for n in names])
+                    flat = paddle.concat([self.local(params[n]).reshape([-1]).astype("float32")
+                                          for n in names])
                 else:
                     flat = paddle.empty([sum(sizes)], "float32")
                 dist.broadcast(flat, src=self.ranks[owner], group=self.group)
@@ -140,11 +154,11 @@ class Sharding:
                     continue
                 for n, part in zip(names, paddle.split(flat, sizes)):
                     value = part.reshape(self.shapes[n]).astype(self.dtypes[n])
-                    t = params[n]
-                    if t._is_initialized():
-                        t.set_value(value)
+                    p = params[n]
+                    if p._is_initialized():
+                        self.local(p).set_value(value)
                     else:   # released (stage 3): the received tensor's storage becomes its own
-                        value._share_buffer_to(t)
+                        _refill(p, value)
         self.released = False
 
     def gather(self, params):
@@ -156,10 +170,15 @@ class Sharding:
         """Stage 3: drop the storage of every tensor this rank does not own."""
         if self.stage < 3:
             return
-        for n, t in params.items():
-            if not self.owns(n) and t._is_initialized():
-                t._clear_data()
+        for n, p in params.items():
+            if not self.owns(n) and p._is_initialized():
+                p._clear_data()
         self.released = True
+
+    def resident(self, params):
+        """Elements of this rank's local shards that hold storage now (stage 3 between steps:
+        the owned ones only)."""
+        return sum(int(np.prod(self.shapes[n])) for n, p in params.items() if p._is_initialized())
 
     def after_step(self, params):
         """After the owners' update: stages 1-2 send the new values to the group, stage 3
@@ -176,7 +195,7 @@ class Sharding:
         return sq
 
 
-def for_trainer(args, topo, named):
+def for_trainer(args, topo, named, local=lambda p: p):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
     stage = stage_of(getattr(args, "sharding", ""))
@@ -187,4 +206,4 @@ def for_trainer(args, topo, named):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
-    return Sharding(topo, stage, named)
+    return Sharding(topo, stage, named, local)

@@ -95,12 +95,12 @@ class Trainer:
         # sharding (parallel/sharding.py): each rank's optimizer holds only the tensors it owns
         from ..parallel.sharding import for_trainer
 
-        self.shard = for_trainer(args, self.topo, list(self._locals().items()))
+        self.shard = for_trainer(args, self.topo, list(self.trainable.items()), self._local)
         self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()
                                 if self.shard is None or self.shard.owns(n)), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
         if self.shard is not None:
-            self.shard.release(self._locals())   # stage 3: non-owned values dropped between steps
+            self.shard.release(self.trainable)   # stage 3: non-owned values dropped between steps
         self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
@@ -114,10 +114,6 @@ class Trainer:
     def _local(self, t):
         """A DTensor's local shard (tensor parallel), else the tensor itself."""
         return t._local_value() if self.tp is not None and t is not None and t.is_dist() else t
-
-    def _locals(self):
-        """{name: local tensor} of the trainable tensors (what sharding partitions)."""
-        return {n: self._local(p) for n, p in self.trainable.items()}
 
     def _default_export(self, out_dir):
         from ..models import save_pretrained
@@ -171,7 +167,7 @@ class Trainer:
                          for b in micro_batches)
         n_global, real_global = self.topo.all_reduce_scalars([n_local, real_local])
         if self.shard is not None:   # stage 3: the whole model for forward and backward
-            self.shard.gather(self._locals())
+            self.shard.gather(self.trainable)
         loss_acc = self._backward(micro_batches, n_global)
         names = list(self.trainable)
         named = [(n, self.trainable[n]) for n in names]
@@ -203,7 +199,7 @@ class Trainer:
         for p in self.trainable.values():
             p.clear_gradient(False)
         if self.shard is not None:   # owners' new values to the group (stage 3: released)
-            self.shard.after_step(self._locals())
+            self.shard.after_step(self.trainable)
         return loss_acc / max(n_global, 1.0), norm, n_global, real_global
 
     def _backward(self, micro_batches, n_global):
@@ -308,7 +304,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         if self.shard is not None:   # stage 3: the whole model again, for export and the caller
-            self.shard.gather(self._locals())
+            self.shard.gather(self.trainable)
         self._finish()
         return self.state
 
@@ -381,7 +377,7 @@ class Trainer:
         self.model.eval()
         released = self.shard is not None and self.shard.released
         if released:   # stage 3 between steps: gathered for evaluation, released after
-            self.shard.gather(self._locals())
+            self.shard.gather(self.trainable)
         bs, world, rank = a.per_device_eval_batch_size, self.topo.data_degree, self.topo.data_rank
         batches = [list(range(i, min(i + bs, len(ds)))) for i in range(0, len(ds), bs)]
         if a.max_evaluate_steps and a.max_evaluate_steps > 0:
@@ -409,7 +405,7 @@ class Trainer:
         if was_training:
             self.model.train()
         if released:
-            self.shard.release(self._locals())
+            self.shard.release(self.trainable)
         return metrics
 
     def _eval_batch(self, batch):
