@@ -30,6 +30,7 @@ TWO = {
     "stage3": {"sharding": "stage3"},
     "stage3_lora": {"sharding": "stage3", "method": "lora", "lr": 2e-2},
     "stage1_offload": {"sharding": "stage1 offload"},
+    "stage2_nf4_lora": {"sharding": "stage2", "method": "qlora", "quant": "nf4", "lr": 2e-2},
 }
 # on 4 ranks
 FOUR = {
@@ -38,12 +39,20 @@ FOUR = {
     "dp2_stage3": {"sharding": "stage3", "sharding_degree": 2},
     "tp2_stage2": {"sharding": "stage2", "tp": 2, "micro": 2},
     "tp2_stage3_lora": {"sharding": "stage3", "tp": 2, "micro": 2, "method": "lora", "lr": 2e-2},
+    "pp2_stage3": {"sharding": "stage3", "pp": 2, "micro": 2},
 }
-SINGLE = {"sft": {}, "lora": {"method": "lora", "lr": 2e-2}}   # micro 4 x accumulation 2
+SINGLE = {"sft": {}, "lora": {"method": "lora", "lr": 2e-2},   # micro 4 x accumulation 2
+          "nf4_lora": {"method": "qlora", "quant": "nf4", "lr": 2e-2}}
+# resumed from a checkpoint-3 written under another layout: (checkpoint's run, train_case kwargs)
+RESUME = {"tp2_to_dp2": ("tp2_save", {"micro": 2}), "tp2_to_pp2": ("tp2_save", {"micro": 4, "pp": 2}),
+          "tp2_to_stage3": ("tp2_save", {"micro": 2, "sharding": "stage3"}),
+          "stage3_to_tp2": ("stage3_save", {"micro": 4, "tp": 2}),
+          "stage2_to_pp2": ("stage2_save", {"micro": 4, "pp": 2})}
+RESUME_ONE = ("tp2_save", "stage3_save")   # resumed in this process too
 
 
 def ref_of(kw):
-    return "lora" if kw.get("method") == "lora" else "sft"
+    return {"lora": "lora", "qlora": "nf4_lora"}.get(kw.get("method"), "sft")
 
 
 def data_ranks(kw, nproc):
@@ -58,27 +67,32 @@ def runs(tmp_path_factory):
     ck = hf_checkpoint(base / "ck", "llama", seed=3)[0]
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 2)))
              for n, kw in TWO.items()]
-    save = str(base / "tp2_save")
-    cases += [("tp2_save", "tp_cases:train_case", dict(ckpt=ck, out_dir=save, tp=2, micro=4, save_steps=3))]
-    resume = os.path.join(save, "checkpoint-3")
-    cases += [("resume_dp2", "tp_cases:train_case", dict(ckpt=ck, out_dir=str(base / "r_dp2"), micro=2,
-                                                         resume=resume)),
-              ("resume_pp2", "tp_cases:train_case", dict(ckpt=ck, out_dir=str(base / "r_pp2"), micro=4, pp=2,
-                                                         resume=resume)),
-              ("resume_stage2", "tp_cases:train_case", dict(ckpt=ck, out_dir=str(base / "r_st2"), micro=2,
-                                                            sharding="stage2", resume=resume))]
+    saves = {"tp2_save": {"tp": 2, "micro": 4}, "stage3_save": {"sharding": "stage3", "micro": 2},
+             "stage2_save": {"sharding": "stage2", "micro": 2}}
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), save_steps=3))
+              for n, kw in saves.items()]
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
+                                              resume=str(base / src / "checkpoint-3")))
+              for n, (src, kw) in RESUME.items()]
     two = launch_cases(cases, base / "two", nproc=2, timeout=900)
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
              for n, kw in FOUR.items()]
     four = launch_cases(cases, base / "four", nproc=4, timeout=900)
     ref = {n: train_case(ck, str(base / f"single_{n}"), micro=4, **kw) for n, kw in SINGLE.items()}
-    ref["resume_one"] = train_case(ck, str(base / "r_one"), micro=4, resume=resume)
+    for src in RESUME_ONE:
+        ref[f"{src}_to_one"] = train_case(ck, str(base / f"{src}_to_one"), micro=4,
+                                          resume=str(base / src / "checkpoint-3"))
     return base, dict(two, **four), ref
 
 
 def _tensors(run_dir, kind="trained"):
-    st = SafetensorsFile(os.path.join(run_dir, f"{kind}.safetensors"))
-    return {k: st.get(k) for k in st.keys()}
+    """{name: array} from run_dir/<kind>*.safetensors (one file per pipeline stage under PP)."""
+    out = {}
+    for f in sorted(os.listdir(run_dir)):
+        if f.startswith(kind) and f.endswith(".safetensors"):
+            st = SafetensorsFile(os.path.join(run_dir, f))
+            out.update({k: st.get(k) for k in st.keys()})
+    return out
 
 
 def _compare(got_ranks, single, run_dir, single_dir):
@@ -95,21 +109,28 @@ def _compare(got_ranks, single, run_dir, single_dir):
     assert max(np.abs(got[k] - one[k]).max() for k in one) <= 1e-4 * update
 
 
-def _check_split(ranks, single, kw, nproc):
+def _check_split(ranks, single, kw):
     """Disjoint data per step; optimizer state / gradients / resident values ~1/S per rank."""
+    from paddletune.parallel.topology import coordinates
+
     stage = int(kw["sharding"].split()[0][-1])
-    S = kw.get("sharding_degree", -1)
-    S = data_ranks(kw, nproc) if S == -1 else S
-    total = ranks[0]["trainable_numel"]
-    assert all(r["trainable_numel"] == total for r in ranks)   # local numel (TP: the rank's slices)
-    tp = kw.get("tp", 1)
+    coords = [coordinates(r["rank"], r["degrees"]) for r in ranks]
+    S = ranks[0]["degrees"]["sharding"]
+    data = [c["dp"] * S + c["sharding"] for c in coords]
+    groups = {}   # ranks that differ in the sharding coordinate only
+    for i, c in enumerate(coords):
+        groups.setdefault((c["dp"], c["pp"], c["tp"]), []).append(i)
+    assert S == 2 and all(len(g) == S for g in groups.values())
     for step, held in enumerate(zip(*[r["held"] for r in ranks])):
-        leads = held[::tp]   # one rank per data rank (TP peers read the same batch)
-        ids = [set(h["ids"]) for h in leads]
-        assert all(h["ids"] == held[i - i % tp]["ids"] for i, h in enumerate(held))
-        assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8        # disjoint, the global batch
-        assert set().union(*ids) == set(single["held"][step]["ids"])
-        for group in _sharding_groups(ranks, S, tp):
+        ids = {}
+        for d, h in zip(data, held):   # TP / PP peers of a data rank read the same batch
+            assert ids.setdefault(d, h["ids"]) == h["ids"]
+        shares = [set(v) for v in ids.values()]
+        assert sum(len(s) for s in shares) == len(set().union(*shares)) == 8   # disjoint, the global batch
+        assert set().union(*shares) == set(single["held"][step]["ids"])
+        for group in groups.values():
+            total = ranks[group[0]]["trainable_numel"]   # local numel (TP slices, the PP stage's)
+            assert all(ranks[i]["trainable_numel"] == total for i in group)
             opt = [held[i]["optimizer_numel"] for i in group]
             assert sum(opt) == 2 * total and max(opt) <= 0.6 * 2 * total, opt
             grads = [held[i]["shard"]["grad_numel"] for i in group]
@@ -125,22 +146,12 @@ def _check_split(ranks, single, kw, nproc):
                 assert res == [total] * S
 
 
-def _sharding_groups(ranks, S, tp):
-    """Launched ranks grouped by (dp, pp, tp) coordinates: each group is one sharding group."""
-    groups = {}
-    for i, r in enumerate(ranks):
-        groups.setdefault((i // (S * tp), i % tp), []).append(i)
-    out = list(groups.values())
-    assert all(len(g) == S for g in out)
-    return out
-
-
 @pytest.mark.parametrize("name", list(TWO))
 def test_sharding_two_ranks_equals_one_process(runs, name):
     base, got, ref = runs
     kw = TWO[name]
     _compare(got[name], ref[ref_of(kw)], base / name, base / f"single_{ref_of(kw)}")
-    _check_split(got[name], ref[ref_of(kw)], kw, 2)
+    _check_split(got[name], ref[ref_of(kw)], kw)
     assert min(ref[ref_of(kw)]["grad_norms"]) > 0.05   # clipping active
 
 
@@ -149,16 +160,71 @@ def test_sharding_four_ranks_equals_one_process(runs, name):
     base, got, ref = runs
     kw = FOUR[name]
     _compare(got[name], ref[ref_of(kw)], base / name, base / f"single_{ref_of(kw)}")
-    _check_split(got[name], ref[ref_of(kw)], kw, 4)
-    assert got[name][0]["degrees"] == {"dp": 2 if "dp2" in name else 1, "pp": 1, "sharding": 2,
-                                       "tp": kw.get("tp", 1)}
+    _check_split(got[name], ref[ref_of(kw)], kw)
+    assert got[name][0]["degrees"] == {"dp": 2 if "dp2" in name else 1, "pp": kw.get("pp", 1),
+                                       "sharding": 2, "tp": kw.get("tp", 1)}
 
 
-@pytest.mark.parametrize("name", ["resume_dp2", "resume_pp2", "resume_stage2", "resume_one"])
-def test_resume_tp2_checkpoint_under_another_layout(runs, name):
-    """Saved at step 3 under TP=2: steps 4 and 5 under DP=2, PP=2, sharding stage2 and one
-    process equal the uninterrupted one-process run."""
+@pytest.mark.parametrize("name", list(RESUME) + [f"{s}_to_one" for s in RESUME_ONE])
+def test_resume_under_another_layout(runs, name):
+    """Saved at step 3 under TP=2 / sharding stage2 / stage3 (each owner wrote its tensors and
+    their moments): steps 4 and 5 under DP=2, PP=2, TP=2, sharding stage3 and in one process,
+    and the final weights, equal the uninterrupted one-process run."""
     base, got, ref = runs
-    resumed = ref[name] if name == "resume_one" else got[name][0]
+    resumed = ref[name] if name.endswith("_to_one") else got[name][0]
+    assert len(resumed["losses"]) == 5
     np.testing.assert_allclose(resumed["losses"][3:], ref["sft"]["losses"][3:], rtol=1e-4)
-    np.testing.assert_allclose(got["tp2_save"][0]["losses"], ref["sft"]["losses"], rtol=1e-5)
+    one, start = _tensors(base / "single_sft"), _tensors(base / "single_sft", "initial")
+    update = max(np.abs(one[k] - start[k]).max() for k in one)
+    res = _tensors(base / name)
+    assert set(res) == set(one) and max(np.abs(res[k] - one[k]).max() for k in one) <= 1e-4 * update
+
+
+def test_saving_ranks_write_their_own_tensors(runs):
+    """Under sharding every owner writes its tensors' values and moments (its own files), each
+    tensor once; the saving runs themselves equal one process."""
+    import json
+
+    base, got, ref = runs
+    for run in ("tp2_save", "stage2_save", "stage3_save"):
+        np.testing.assert_allclose(got[run][0]["losses"], ref["sft"]["losses"], rtol=1e-5)
+    for run in ("stage2_save", "stage3_save"):
+        index = json.load(open(base / run / "checkpoint-3" / "shards.json"))
+        for kind in ("model", "optimizer"):
+            files = {p["file"] for e in index[kind].values() for p in e["pieces"]}
+            assert len(files) == 2, files   # one per sharding rank
+            assert all(len(e["pieces"]) == 1 for e in index[kind].values())   # each tensor once
+
+
+def test_partition_stage_names_and_argument_checks(monkeypatch):
+    """Whole tensors in model order, balanced numel; PaddleNLP's `sharding` spellings; bad
+    values refused naming the key; one sharding rank and a CPU offload warned."""
+    from paddletune import args as A, parallel
+    from paddletune.args import ArgumentError
+    from paddletune.parallel.sharding import for_trainer, partition, stage_of
+
+    assert partition([4, 4, 4, 4], 2) == [0, 0, 1, 1]
+    assert partition([10, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert partition([1, 1, 1, 1, 1, 1], 3) == [0, 0, 1, 1, 2, 2]
+    assert (stage_of("stage1 offload"), stage_of("stage1 stage3"), stage_of("")) == (1, 3, 0)
+    base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o"}
+    for bad, match in (("stage4", "unknown value 'stage4'"), ("offload", "needs a stage")):
+        with pytest.raises(ArgumentError, match=match) as e:
+            A.build(dict(base, sharding=bad), warn=lambda m: None)
+        assert "sharding" in str(e.value)
+    warned = []
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    A.build(dict(base, sharding="stage3", sharding_parallel_degree=-1), warn=warned.append)
+    assert any("no effect with one sharding rank" in w for w in warned)
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    warned.clear()
+    A.build(dict(base, sharding="stage2", sharding_parallel_degree=-1, tensor_parallel_degree=2),
+            warn=warned.append)
+    assert not any("sharding" in w for w in warned)   # 4 / tp 2 = 2 sharding ranks
+    logs = []
+    from paddletune import runtime
+
+    monkeypatch.setattr(runtime, "warn_once", lambda key, msg, *a: logs.append(msg))
+    args = A.build(dict(base, sharding="stage1 offload"), warn=lambda m: None)[-1]
+    assert for_trainer(args, parallel.single(), []) is None   # one rank: off
+    assert any("host and device memory are the same" in m for m in logs)
