@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
     from tp_cases import train_case
 
     base = tmp_path_factory.mktemp("sharding")
-    ck = hf_checkpoint(base / "ck", "llama", seed=3)[0]
+    ck = hf_checkpoint(base / "ck", "llama", seed=3, num_hidden_layers=4)[0]
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 2)))
              for n, kw in TWO.items()]
     saves = {"tp2_save": {"tp": 2, "micro": 4}, "stage3_save": {"sharding": "stage3", "micro": 2},
@@ -142,6 +142,12 @@ def _check_split(ranks, single, kw):
             res = [held[i]["resident"] for i in group]
             if stage >= 3:
                 assert sum(res) == total and max(res) <= 0.6 * total, res
+                # during the step: the owned tensors, the non-block ones and one block at most
+                for i in group:
+                    sh = held[i]["shard"]
+                    assert res[group.index(i)] < sh["peak_resident"] <= sh["peak_bound"], sh
+                    if kw.get("pp", 1) == 1:   # (a stage of 2 blocks may hold its all at once)
+                        assert sh["peak_bound"] < total, sh
             else:
                 assert res == [total] * S
 

@@ -138,13 +138,19 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
 
 def _holdings(trainer, info):
     """After an optimizer step: this rank's example ids, its resident trainable elements, and
-    what sharding measured (gradient / optimizer-state elements)."""
+    what sharding measured (gradient / optimizer-state elements, stage 3's peak in a step)."""
+    import numpy as np
     ids = [int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()]
     shard = trainer.shard.stats if getattr(trainer, "shard", None) is not None else None
     opt = sum(int(t.size) for d in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
               for t in d.values())
     resident = (trainer.shard.resident(trainer.trainable) if shard is not None
                 else sum(paddle_numel(p) for p in trainer.trainable.values()))
+    lw = getattr(trainer.shard, "layerwise", None) if shard is not None else None
+    if lw is not None:   # stage 3 by blocks: the most a step should hold at once
+        size = lambda names: sum(int(np.prod(trainer.shard.shapes[n])) for n in names)  # noqa: E731
+        mine = lambda names: [n for n in names if not trainer.shard.owns(n)]  # noqa: E731
+        shard = dict(shard, peak_bound=resident + size(mine(lw.rest)) + max(size(mine(u.names)) for u in lw.units))
     return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
             "optimizer_numel": opt}
 

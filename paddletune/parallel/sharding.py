@@ -14,11 +14,13 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             data-parallel replicas of that owner), and every rank drops the gradients of the
             tensors it does not own right after the reduction
     stage3  parameters as well: between steps a rank holds only its own tensors' values (the
-            others' storage is released); they are broadcast from their owners at the start of a
-            step (and for evaluation / export) and released after the update. Whole-step
-            gathering: the peak during a step is the unsharded model's; what stage3 saves is
-            the memory between steps (and the optimizer state and gradients of stage2). Frozen
-            parameters (a PEFT backbone, quantized weights) are not sharded.
+            others' storage is released). During a step the decoder blocks are gathered one at a
+            time (`Layerwise`): a block's tensors are broadcast from their owners just before its
+            forward and released right after it, gathered again when backward reaches the block
+            and released when its backward is done; the tensors outside the blocks (embedding,
+            final norm, head, a prefix) are gathered for the whole step. Peak during a step: the
+            owned tensors + the non-block ones + one block. Evaluation and export gather the
+            whole model. Frozen parameters (a PEFT backbone, quantized weights) are not sharded.
 Example, 2 sharding ranks, tensors of numel [4, 4, 4, 4]: rank 0 owns the first two, keeps their
 moments (16 numbers instead of 32), under stage2 holds their two gradients after the reduction,
 under stage3 holds only their two values between steps.
@@ -39,6 +41,7 @@ full names; the first pure data-parallel replica writes, so every tensor is writ
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddle.autograd import PyLayer
 
 STAGES = ("stage1", "stage2", "stage3")
 
@@ -99,7 +102,8 @@ class Sharding:
         self.owner = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
         self.owned = [n for n in names if self.owner[n] == self.rank]
         self.released = False
-        self.stats = {}   # what a rank holds, measured by the trainer (tests assert the split)
+        self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
+        self.stats = {}   # what a rank holds, measured (tests assert the split)
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
@@ -159,12 +163,31 @@ class Sharding:
                         self.local(p).set_value(value)
                     else:   # released (stage 3): the received tensor's storage becomes its own
                         _refill(p, value)
-        self.released = False
 
     def gather(self, params):
-        """Stage 3: the released tensors filled from their owners (no-op when held)."""
+        """Stage 3: the whole model, filled from the owners (evaluation, export, the end of
+        training); no-op when held."""
         if self.stage >= 3 and self.released:
             self.broadcast_params(params)
+            self.released = False
+
+    def begin_step(self, params):
+        """Stage 3 at the start of a step: the tensors outside the decoder blocks (the blocks
+        come one at a time, `Layerwise`), or the whole model without blocks to hook."""
+        if self.stage < 3 or not self.released:
+            return
+        if self.layerwise is None:
+            return self.gather(params)
+        self.broadcast_params({n: params[n] for n in self.layerwise.rest})
+        self.released = False
+        self.layerwise.start()
+
+    def install_layerwise(self, model, params):
+        """Stage 3: hook the model's decoder blocks (model.decoder_layers()) so each is gathered
+        only while its forward or backward runs."""
+        blocks = model.decoder_layers() if hasattr(model, "decoder_layers") else None
+        if self.stage >= 3 and blocks is not None:
+            self.layerwise = Layerwise(self, blocks, params)
 
     def release(self, params):
         """Stage 3: drop the storage of every tensor this rank does not own."""
@@ -174,6 +197,8 @@ class Sharding:
             if not self.owns(n) and p._is_initialized():
                 p._clear_data()
         self.released = True
+        if self.layerwise is not None:
+            self.layerwise.stop()
 
     def resident(self, params):
         """Elements of this rank's local shards that hold storage now (stage 3 between steps:
@@ -195,7 +220,142 @@ class Sharding:
         return sq
 
 
-def for_trainer(args, topo, named, local=lambda p: p):
+class _GatherInBackward(PyLayer):
+    """Identity on a block's output; in backward (before the block's own backward) it gathers
+    the block's tensors again."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.unit.gather(backward=True)
+        return dy
+
+
+class _ReleaseAfterBackward(PyLayer):
+    """Identity on a block's input; its backward runs once the block's backward is done (every
+    gradient of the block's weights is computed by then): the block's tensors are released."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.unit.release()
+        return dy
+
+
+class _Unit:
+    """One decoder block's trainable tensors under layer-wise stage 3."""
+
+    def __init__(self, owner, names):
+        self.owner, self.names = owner, names
+        self.held = False          # gathered now (the same on every rank of the group)
+        self.in_backward = False   # between the gather of backward and the release after it
+
+    def gather(self, backward=False):
+        sh, lw = self.owner.shard, self.owner
+        if not self.held:
+            sh.broadcast_params({n: lw.params[n] for n in self.names})
+            self.held = True
+            lw.note_peak()
+        self.in_backward = self.in_backward or backward
+
+    def release(self):
+        sh, lw = self.owner.shard, self.owner
+        for n in self.names:
+            p = lw.params[n]
+            if not sh.owns(n) and p._is_initialized():
+                p._clear_data()
+        self.held = self.in_backward = False
+
+
+class Layerwise:
+    """Stage 3 block by block, through forward pre/post hooks on each decoder block (active only
+    inside a training step; evaluation and export see the whole model):
+        pre-hook   gather the block; its input goes through _ReleaseAfterBackward
+        post-hook  release the block; its output goes through _GatherInBackward
+    A block whose backward is running (recompute re-runs its forward then) is left alone. A block
+    whose input carries no gradient (the first one over a frozen embedding, PEFT) would give no
+    signal at the end of its backward: its input gets a zero added from a leaf that requires a
+    gradient (`anchor`), so the signal comes, at the cost of that block's input gradient. Every
+    rank of a sharding group runs the same blocks in the same order, so the broadcasts match."""
+
+    def __init__(self, shard, blocks, params):
+        self.shard, self.params = shard, params
+        by_id = {id(p): n for n, p in params.items()}
+        self.units, inside = [], set()
+        for block in blocks:
+            names = [by_id[id(p)] for p in block.parameters() if id(p) in by_id]
+            if not names:
+                continue
+            unit = _Unit(self, names)
+            inside.update(names)
+            block.register_forward_pre_hook(self._pre(unit))
+            block.register_forward_post_hook(self._post(unit))
+            self.units.append(unit)
+        self.rest = [n for n in params if n not in inside]
+        self.active = False
+        self.anchors = {}   # dtype -> zero scalar leaf that requires a gradient
+
+    def start(self):
+        for u in self.units:
+            u.held = u.in_backward = False
+        self.active = True
+        self.note_peak()
+
+    def stop(self):
+        for u in self.units:
+            u.held = u.in_backward = False
+        self.active = False
+        for a in self.anchors.values():
+            a.clear_gradient(False)
+
+    def _anchored(self, x):
+        """x + 0 through a leaf that requires a gradient, so x's backward runs."""
+        key = str(x.dtype)
+        if key not in self.anchors:
+            a = paddle.zeros([1], x.dtype)
+            a.stop_gradient = False
+            self.anchors[key] = a
+        return x + self.anchors[key]
+
+    def note_peak(self):
+        now = self.shard.resident(self.params)
+        self.shard.stats["peak_resident"] = max(self.shard.stats.get("peak_resident", 0), now)
+
+    def _pre(self, unit):
+        def hook(layer, inputs):
+            if not self.active or unit.in_backward:
+                return None
+            unit.gather()
+            x = inputs[0]
+            if not (isinstance(x, paddle.Tensor) and paddle.is_grad_enabled()):
+                return None
+            if x.stop_gradient and not x.is_dist():
+                x = self._anchored(x)
+            if x.stop_gradient:
+                return None   # no signal at the end of its backward: held to the end of the step
+            return (_ReleaseAfterBackward.apply(x, unit),) + tuple(inputs[1:])
+        return hook
+
+    def _post(self, unit):
+        def hook(layer, inputs, out):
+            if not self.active or unit.in_backward:
+                return None
+            if not (isinstance(out, paddle.Tensor) and not out.stop_gradient and paddle.is_grad_enabled()):
+                return None   # no backward through it: kept until the step ends
+            unit.release()
+            return _GatherInBackward.apply(out, unit)
+        return hook
+
+
+def for_trainer(args, topo, named, local=lambda p: p, model=None):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
     stage = stage_of(getattr(args, "sharding", ""))
@@ -206,4 +366,7 @@ def for_trainer(args, topo, named, local=lambda p: p):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
-    return Sharding(topo, stage, named, local)
+    shard = Sharding(topo, stage, named, local)
+    if model is not None:
+        shard.install_layerwise(model, dict(named))
+    return shard

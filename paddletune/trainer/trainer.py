@@ -95,7 +95,7 @@ class Trainer:
         # sharding (parallel/sharding.py): each rank's optimizer holds only the tensors it owns
         from ..parallel.sharding import for_trainer
 
-        self.shard = for_trainer(args, self.topo, list(self.trainable.items()), self._local)
+        self.shard = for_trainer(args, self.topo, list(self.trainable.items()), self._local, model)
         self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()
                                 if self.shard is None or self.shard.owns(n)), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
@@ -166,8 +166,8 @@ class Trainer:
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
         n_global, real_global = self.topo.all_reduce_scalars([n_local, real_local])
-        if self.shard is not None:   # stage 3: the whole model for forward and backward
-            self.shard.gather(self.trainable)
+        if self.shard is not None:   # stage 3: what is outside the blocks (these come one by one)
+            self.shard.begin_step(self.trainable)
         loss_acc = self._backward(micro_batches, n_global)
         names = list(self.trainable)
         named = [(n, self.trainable[n]) for n in names]
