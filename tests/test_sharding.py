@@ -48,6 +48,8 @@ RESUME = {"tp2_to_dp2": ("tp2_save", {"micro": 2}), "tp2_to_pp2": ("tp2_save", {
           "tp2_to_stage3": ("tp2_save", {"micro": 2, "sharding": "stage3"}),
           "stage3_to_tp2": ("stage3_save", {"micro": 4, "tp": 2}),
           "stage2_to_pp2": ("stage2_save", {"micro": 4, "pp": 2})}
+RESUME4 = {"stage3_to_dp2_stage2": ("stage3_save", {"micro": 1, "sharding": "stage2", "sharding_degree": 2}),
+           "tp2_to_tp2_stage1": ("tp2_save", {"micro": 2, "sharding": "stage1", "tp": 2})}   # on 4 ranks
 RESUME_ONE = ("tp2_save", "stage3_save")   # resumed in this process too
 
 
@@ -77,6 +79,9 @@ def runs(tmp_path_factory):
     two = launch_cases(cases, base / "two", nproc=2, timeout=900)
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
              for n, kw in FOUR.items()]
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
+                                              resume=str(base / src / "checkpoint-3")))
+              for n, (src, kw) in RESUME4.items()]
     four = launch_cases(cases, base / "four", nproc=4, timeout=900)
     ref = {n: train_case(ck, str(base / f"single_{n}"), micro=4, **kw) for n, kw in SINGLE.items()}
     for src in RESUME_ONE:
@@ -171,7 +176,7 @@ def test_sharding_four_ranks_equals_one_process(runs, name):
                                        "sharding": 2, "tp": kw.get("tp", 1)}
 
 
-@pytest.mark.parametrize("name", list(RESUME) + [f"{s}_to_one" for s in RESUME_ONE])
+@pytest.mark.parametrize("name", list(RESUME) + list(RESUME4) + [f"{s}_to_one" for s in RESUME_ONE])
 def test_resume_under_another_layout(runs, name):
     """Saved at step 3 under TP=2 / sharding stage2 / stage3 (each owner wrote its tensors and
     their moments): steps 4 and 5 under DP=2, PP=2, TP=2, sharding stage3 and in one process,
@@ -234,3 +239,39 @@ def test_partition_stage_names_and_argument_checks(monkeypatch):
     args = A.build(dict(base, sharding="stage1 offload"), warn=lambda m: None)[-1]
     assert for_trainer(args, parallel.single(), []) is None   # one rank: off
     assert any("host and device memory are the same" in m for m in logs)
+    warned.clear()
+    A.build(dict(base, sharding="stage2", sharding_parallel_config="split_param enable_stage1_overlap"),
+            warn=warned.append)
+    assert any("sharding_parallel_config" in w and "no effect" in w for w in warned)
+
+
+def test_offloaded_adamw_equals_the_device_update():
+    """AdamW(offload=True) (the host-memory path of "stage1 offload" on a GPU, here on CPU where
+    host and device are one memory): the same updates as the in-place one, fused kernel and
+    written-out formula, float32 and a bfloat16 parameter with its float32 master copy."""
+    import paddle
+    from paddletune.trainer import optim
+
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((30, 20)).astype("float32")
+    grads = [rng.standard_normal((30, 20)).astype("float32") * 0.1 for _ in range(4)]
+    for fused in (True, False):
+        optim._FUSED["op"] = getattr(paddle._C_ops, "adamw_") if fused else None
+        out = {}
+        for offload in (False, True):
+            p = paddle.create_parameter([30, 20], "float32")
+            p.set_value(w0)
+            opt = optim.AdamW([("w", p)], weight_decay=0.1, offload=offload)
+            for g in grads:
+                opt.step({"w": paddle.to_tensor(g)}, 1e-2)
+            out[offload] = (p.numpy(), opt.state_dict()[0]["w.exp_avg_sq"])
+        np.testing.assert_allclose(out[True][0], out[False][0], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(out[True][1], out[False][1], rtol=0, atol=1e-9)
+    optim._FUSED.clear()
+    p16 = paddle.to_tensor(w0).astype("bfloat16")
+    opt = optim.AdamW([("w", p16)], offload=True)
+    for g in grads:
+        opt.step({"w": paddle.to_tensor(g).astype("bfloat16")}, 1e-3)
+    master = opt.master["w"].numpy()
+    assert master.dtype == np.float32 and np.abs(master - w0).max() > 0   # updates kept in float32
+    np.testing.assert_allclose(p16.astype("float32").numpy(), master, rtol=1e-2, atol=1e-2)

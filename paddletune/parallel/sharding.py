@@ -103,6 +103,7 @@ class Sharding:
         self.owned = [n for n in names if self.owner[n] == self.rank]
         self.released = False
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
+        self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
         self.stats = {}   # what a rank holds, measured (tests assert the split)
 
     def owns(self, name):
@@ -359,7 +360,8 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
     stage = stage_of(getattr(args, "sharding", ""))
-    if "offload" in (getattr(args, "sharding", "") or "").split() and not paddle.is_compiled_with_cuda():
+    offload = "offload" in (getattr(args, "sharding", "") or "").split()
+    if offload and not paddle.is_compiled_with_cuda():
         from ..runtime import warn_once
 
         warn_once("sharding_offload", "sharding offload keeps optimizer state in host memory on a GPU; "
@@ -367,6 +369,7 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
     if stage == 0 or topo.sharding_degree <= 1:
         return None
     shard = Sharding(topo, stage, named, local)
+    shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
     if model is not None:
         shard.install_layerwise(model, dict(named))
     return shard

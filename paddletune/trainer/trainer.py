@@ -98,7 +98,8 @@ class Trainer:
         self.shard = for_trainer(args, self.topo, list(self.trainable.items()), self._local, model)
         self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()
                                 if self.shard is None or self.shard.owns(n)), lr_scales,
-                               (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
+                               (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
+                               offload=self.shard is not None and self.shard.offload)
         if self.shard is not None:
             self.shard.release(self.trainable)   # stage 3: non-owned values dropped between steps
         self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
