@@ -58,3 +58,11 @@ def test_sharding_file_on_four_ranks_equals_one_process(outputs, run):
     for kind in ("model", "optimizer"):
         assert len({p["file"] for e in index[kind].values() for p in e["pieces"]}) == 4
         assert all(len(e["pieces"]) == 1 for e in index[kind].values())
+
+
+def test_sharding_memory_benchmark_smoke():
+    from conftest import run_script
+
+    r = run_script([os.path.join(ROOT, "benchmarks", "sharding_memory.py"), "--smoke"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| stage3 |" in r.stdout and "analytic share" in r.stdout

@@ -44,6 +44,7 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
 STAGES = ("stage1", "stage2", "stage3")
+BUCKET = 1 << 22   # elements per flat collective (16 MB in float32)
 
 
 def stage_of(value):
@@ -119,34 +120,62 @@ class Sharding:
     def _by_owner(self, names):
         return [(o, [n for n in names if self.owner[n] == o]) for o in range(self.degree)]
 
+    def _buckets(self, names):
+        """(owner, names) runs of one owner's tensors of at most BUCKET elements each (a bigger
+        tensor alone): one collective per bucket, and the transient flat copy stays small."""
+        out = []
+        for owner, group in self._by_owner(names):
+            cur, size = [], 0
+            for n in group:
+                k = int(np.prod(self.shapes[n]))
+                if cur and size + k > BUCKET:
+                    out.append((owner, cur))
+                    cur, size = [], 0
+                cur.append(n)
+                size += k
+            if cur:
+                out.append((owner, cur))
+        return out
+
     def reduce_grads(self, names, grads):
-        """Stage 2+: gradients summed into their owner (one flat reduce per owner over the
-        sharding group, then an all-reduce over the data-parallel replicas); the returned list
-        holds the owner's summed gradients and None for every tensor this rank does not own."""
+        """Stage 2+: gradients summed into their owner (dist.reduce over the sharding group,
+        then an all-reduce over the data-parallel replicas; per bucket, a lone tensor in place);
+        the returned list holds the owner's summed gradients (in the tensors passed in) and None
+        for every tensor this rank does not own."""
         out = dict.fromkeys(names)
         where = dict(zip(names, grads))
-        for owner, group_names in self._by_owner(names):
-            if not group_names:
-                continue
+        dp, size = self._dp()
+        for owner, group_names in self._buckets(names):
             ts = [where[n] for n in group_names]
-            flat = paddle.concat([g.reshape([-1]).astype("float32") for g in ts])
+            flat = ts[0] if len(ts) == 1 else paddle.concat([g.reshape([-1]).astype("float32") for g in ts])
             dist.reduce(flat, dst=self.ranks[owner], group=self.group)
             if owner != self.rank:
-                del flat
                 continue
-            dp, size = self._dp()
             if size > 1:
                 dist.all_reduce(flat, group=dp)
+            if len(ts) == 1:
+                out[group_names[0]] = flat
+                continue
             for n, g, part in zip(group_names, ts, paddle.split(flat, [numel(g) for g in ts])):
-                out[n] = part.reshape(g.shape).astype(g.dtype)
+                g.set_value(part.reshape(g.shape).astype(g.dtype))   # the sum, in the gradient itself
+                out[n] = g
         return [out[n] for n in names]
 
     def broadcast_params(self, params):
-        """Every owner sends its tensors' values to its sharding group: one flat broadcast per
-        owner. params: {name: parameter}; a released one gets new storage (stage 3)."""
+        """Every owner sends its tensors' values to its sharding group (per bucket; a lone
+        tensor straight from / into its storage). params: {name: parameter}; a released one
+        gets new storage (stage 3)."""
         with paddle.no_grad():
-            for owner, names in self._by_owner(list(params)):
-                if not names:
+            for owner, names in self._buckets(list(params)):
+                src = self.ranks[owner]
+                if len(names) == 1:
+                    p = params[names[0]]
+                    if owner == self.rank or p._is_initialized():
+                        dist.broadcast(self.local(p), src=src, group=self.group)
+                    else:
+                        buf = paddle.empty(self.shapes[names[0]], self.dtypes[names[0]])
+                        dist.broadcast(buf, src=src, group=self.group)
+                        _refill(p, buf)
                     continue
                 sizes = [int(np.prod(self.shapes[n])) for n in names]
                 if owner == self.rank:
@@ -154,7 +183,7 @@ class Sharding:
                                           for n in names])
                 else:
                     flat = paddle.empty([sum(sizes)], "float32")
-                dist.broadcast(flat, src=self.ranks[owner], group=self.group)
+                dist.broadcast(flat, src=src, group=self.group)
                 if owner == self.rank:
                     continue
                 for n, part in zip(names, paddle.split(flat, sizes)):

@@ -181,10 +181,12 @@ class Trainer:
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
         if self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
-            for p in self.trainable.values():
-                p.clear_gradient(False)
         else:
             grads = self.topo.all_reduce_grads(grads)
+        if self.shard is not None:   # stage2+: others' gradients dropped (an owner's are summed in
+            for n, g in zip(names, grads):   # place); stage1: the summed copies replace them
+                if g is None or self.shard.stage < 2:
+                    self.trainable[n].clear_gradient(False)
         norm = self._grad_norm(named, grads)
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
@@ -251,7 +253,8 @@ class Trainer:
         elements after the reduction, optimizer-state elements."""
         from ..parallel.sharding import numel, resident_numel
 
-        left = resident_numel(self._local(p.grad) for p in self.trainable.values() if p.grad is not None)
+        left = resident_numel(self._local(p.grad) for n, p in self.trainable.items()
+                              if p.grad is not None and not self.shard.owns(n))   # others' gradients
         self.shard.stats.update(
             grad_numel=sum(numel(g) for g in grads if g is not None) if self.shard.stage >= 2
             else sum(numel(g) for g in grads), grad_numel_left=left,
@@ -511,7 +514,8 @@ class Trainer:
             state["data_state"] = data
         if self.main:
             ckpt.clean_temp_dirs(self.args.output_dir)
-        # data-parallel replicas hold the same slices: the first data rank of each writes them
+        # data-parallel replicas hold the same slices: the first replica writes them (under sharding
+        # each of its ranks writes the tensors it owns)
         path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
                                     state, writer=self.topo.dp_rank == 0, meta=self.checkpoint_meta)
         if self.main and getattr(self.args, "unified_checkpoint", False):
