@@ -1,6 +1,6 @@
-"""The shipped sharding argument files through llm/finetune_generation.py: PaddleNLP's ChatGLM2
-SFT file (sharding stage3, sharding_parallel_degree -1) and llm/llama/sft_sharding_argument.json
-(stage2, -1) on 4 launched ranks (both in ONE launch, the script's main() in-process on each
+"""The shipped sharding argument files through llm/finetune_generation.py: llm/chatglm2's SFT file
+(PaddleNLP's sharding stage3, with sharding_parallel_degree -1), llm/llama/sft_sharding_argument.json
+(stage2, -1) and PaddleNLP's own ChatGLM2 SFT file (stage3, degree 4) on 4 launched ranks (both in ONE launch, the script's main() in-process on each
 rank) shard over all 4 ranks; losses and the exported Hugging Face model equal the same file in
 one process (sharding warned off there) at the same global batch (2 x 4 ranks = 8 x 1). The
 4-rank run's checkpoint records sharding 4, and each owner wrote its own tensors once."""
@@ -16,7 +16,13 @@ SCRIPT = "llm/finetune_generation.py"
 QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "--evaluation_strategy",
          "no", "--load_best_model_at_end", "false", "--do_eval", "false", "--disable_tqdm", "true",
          "--adam_epsilon", "1e-4", "--warmup_steps", "0"]
-FILES = {"chatglm2_stage3": "llm/chatglm2/sft_argument.json", "llama_stage2": "llm/llama/sft_sharding_argument.json"}
+FILES = {"chatglm2_stage3": "llm/chatglm2/sft_argument.json", "llama_stage2": "llm/llama/sft_sharding_argument.json",
+         # PaddleNLP's own file (sharding_parallel_degree 4, fp16 O2: float32 on CPU), on the tiny model
+         "paddlenlp_chatglm2_sft": "tests/data/paddlenlp_argument_files/chatglm2/sft_argument.json"}
+TINY = {"paddlenlp_chatglm2_sft": ["--model_name_or_path", "paddletune/tiny-chatglm2", "--dataset_name_or_path",
+                                   "paddletune/sample-sft", "--src_length", "64", "--max_length", "128",
+                                   "--gradient_accumulation_steps", "1"]}
+ONE = {"paddlenlp_chatglm2_sft": ["--sharding_parallel_degree", "1"]}   # its 4 in one process
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +30,15 @@ def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("shardscripts")
     cases = [(k, "tp_cases:script_main", {"relpath": SCRIPT, "argv": [os.path.join(ROOT, f), "--output_dir",
                                                                       str(base / k / "four")] + QUICK
-                                          + ["--per_device_train_batch_size", "2", "--save_strategy", "steps",
-                                             "--save_steps", "3"]})
+                                          + TINY.get(k, []) + ["--per_device_train_batch_size", "2",
+                                                               "--save_strategy", "steps", "--save_steps", "3"]})
              for k, f in FILES.items()]
     got = launch_cases(cases, base, nproc=4)
     assert all(code == 0 for res in got.values() for code in res)
     logs = {}
     for k, f in FILES.items():
         r = run_script([os.path.join(ROOT, SCRIPT), os.path.join(ROOT, f), "--output_dir", str(base / k / "one"),
-                        "--per_device_train_batch_size", "8"] + QUICK)
+                        "--per_device_train_batch_size", "8"] + QUICK + TINY.get(k, []) + ONE.get(k, []))
         assert r.returncode == 0, r.stderr[-3000:]
         logs[k] = r.stdout + r.stderr
     return base, logs
