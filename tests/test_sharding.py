@@ -31,6 +31,7 @@ TWO = {
     "stage3_lora": {"sharding": "stage3", "method": "lora", "lr": 2e-2},
     "stage1_offload": {"sharding": "stage1 offload"},
     "stage2_nf4_lora": {"sharding": "stage2", "method": "qlora", "quant": "nf4", "lr": 2e-2},
+    "stage3_rdrop": {"sharding": "stage3", "rdrop": True},   # two forward passes per micro-batch
 }
 # on 4 ranks
 FOUR = {
@@ -42,7 +43,7 @@ FOUR = {
     "pp2_stage3": {"sharding": "stage3", "pp": 2, "micro": 2},
 }
 SINGLE = {"sft": {}, "lora": {"method": "lora", "lr": 2e-2},   # micro 4 x accumulation 2
-          "nf4_lora": {"method": "qlora", "quant": "nf4", "lr": 2e-2}}
+          "nf4_lora": {"method": "qlora", "quant": "nf4", "lr": 2e-2}, "rdrop": {"rdrop": True}}
 # resumed from a checkpoint-3 written under another layout: (checkpoint's run, train_case kwargs)
 RESUME = {"tp2_to_dp2": ("tp2_save", {"micro": 2}), "tp2_to_pp2": ("tp2_save", {"micro": 4, "pp": 2}),
           "tp2_to_stage3": ("tp2_save", {"micro": 2, "sharding": "stage3"}),
@@ -54,6 +55,8 @@ RESUME_ONE = ("tp2_save", "stage3_save")   # resumed in this process too
 
 
 def ref_of(kw):
+    if kw.get("rdrop"):
+        return "rdrop"
     return {"lora": "lora", "qlora": "nf4_lora"}.get(kw.get("method"), "sft")
 
 

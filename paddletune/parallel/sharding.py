@@ -8,11 +8,12 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
 
     stage1  each rank keeps AdamW moments for its own tensors only; gradients are summed over the
             data ranks as without sharding; each owner updates its tensors and broadcasts them
-            to the other ranks of its sharding group (one flat broadcast per owner)
-    stage2  gradients as well: the gradients are reduced to their owner only (one flat
-            dist.reduce per owner over the sharding group, then an all-reduce over the pure
+            to the other ranks of its sharding group
+    stage2  gradients as well: after the step's backward the gradients are reduced to their
+            owner only (dist.reduce over the sharding group, then an all-reduce over the pure
             data-parallel replicas of that owner), and every rank drops the gradients of the
-            tensors it does not own right after the reduction
+            tensors it does not own right away (during backward a rank holds the whole
+            gradient: gloo has no reduce_scatter, and reducing inside backward is not built)
     stage3  parameters as well: between steps a rank holds only its own tensors' values (the
             others' storage is released). During a step the decoder blocks are gathered one at a
             time (`Layerwise`): a block's tensors are broadcast from their owners just before its
@@ -32,8 +33,9 @@ Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
-dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU); forward and
-backward are not touched (no collective inside autograd).
+dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU), in buckets
+of at most BUCKET elements per collective (a lone tensor straight from / into its storage); the
+only collectives inside autograd are stage 3's block gathers (forward hooks, PyLayer backward).
 
 Checkpoints stay layout-independent: each owner writes its tensors (and their moments) under their
 full names; the first pure data-parallel replica writes, so every tensor is written once.
@@ -261,7 +263,7 @@ class _GatherInBackward(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        ctx.unit.gather(backward=True)
+        ctx.unit.enter_backward()
         return dy
 
 
@@ -276,25 +278,30 @@ class _ReleaseAfterBackward(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        ctx.unit.release()
+        ctx.unit.leave_backward()
         return dy
 
 
 class _Unit:
-    """One decoder block's trainable tensors under layer-wise stage 3."""
+    """One decoder block's trainable tensors under layer-wise stage 3. `pending` counts the
+    backward passes through the block that have begun and not ended (two with R-Drop's two
+    forward passes, whose backwards may interleave): the block is released when it drops to 0."""
 
     def __init__(self, owner, names):
         self.owner, self.names = owner, names
-        self.held = False          # gathered now (the same on every rank of the group)
-        self.in_backward = False   # between the gather of backward and the release after it
+        self.held = False   # gathered now (the same on every rank of the group)
+        self.pending = 0
 
-    def gather(self, backward=False):
+    @property
+    def in_backward(self):
+        return self.pending > 0
+
+    def gather(self):
         sh, lw = self.owner.shard, self.owner
         if not self.held:
             sh.broadcast_params({n: lw.params[n] for n in self.names})
             self.held = True
             lw.note_peak()
-        self.in_backward = self.in_backward or backward
 
     def release(self):
         sh, lw = self.owner.shard, self.owner
@@ -302,7 +309,19 @@ class _Unit:
             p = lw.params[n]
             if not sh.owns(n) and p._is_initialized():
                 p._clear_data()
-        self.held = self.in_backward = False
+        self.held = False
+
+    def enter_backward(self):
+        self.gather()
+        self.pending += 1
+
+    def leave_backward(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.release()
+
+    def reset(self):
+        self.held, self.pending = False, 0
 
 
 class Layerwise:
@@ -335,13 +354,13 @@ class Layerwise:
 
     def start(self):
         for u in self.units:
-            u.held = u.in_backward = False
+            u.reset()
         self.active = True
         self.note_peak()
 
     def stop(self):
         for u in self.units:
-            u.held = u.in_backward = False
+            u.reset()
         self.active = False
         for a in self.anchors.values():
             a.clear_gradient(False)
