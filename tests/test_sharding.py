@@ -79,6 +79,10 @@ def runs(tmp_path_factory):
     cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
                                               resume=str(base / src / "checkpoint-3")))
               for n, (src, kw) in RESUME.items()]
+    drop = dict(ckpt=ck, micro=2, sharding="stage3", method="lora", lr=2e-2, lora_dropout=0.1)
+    cases += [("drop_full", "tp_cases:train_case", dict(drop, out_dir=str(base / "drop_full"), save_steps=3)),
+              ("drop_resumed", "tp_cases:train_case", dict(drop, out_dir=str(base / "drop_res"),
+                                                           resume=str(base / "drop_full" / "checkpoint-3")))]
     two = launch_cases(cases, base / "two", nproc=2, timeout=900)
     cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
              for n, kw in FOUR.items()]
@@ -279,3 +283,28 @@ def test_offloaded_adamw_equals_the_device_update():
     master = opt.master["w"].numpy()
     assert master.dtype == np.float32 and np.abs(master - w0).max() > 0   # updates kept in float32
     np.testing.assert_allclose(p16.astype("float32").numpy(), master, rtol=1e-2, atol=1e-2)
+
+
+def test_indivisible_sharding_degree_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """3 launched ranks cannot hold sharding_parallel_degree 2: the script stops with one error
+    line naming both numbers and exit code 2, before loading anything or writing output."""
+    from conftest import load_script
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "3")
+    out = tmp_path / "out"
+    code = load_script("llm/finetune_generation.py").main(
+        [os.path.join(ROOT, "llm", "llama", "sft_sharding_argument.json"), "--sharding_parallel_degree", "2",
+         "--output_dir", str(out)])
+    assert code == 2
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "world size 3" in errors[0] and "sharding_parallel_degree 2" in errors[0]
+    assert not out.exists()
+
+
+def test_same_layout_resume_with_dropout_is_exact(runs):
+    """LoRA dropout under stage3: checkpoint-3 resumed under the same layout continues the very
+    same run (each rank restores its own RNG state, so the dropout masks continue)."""
+    _, got, _ = runs
+    full, resumed = got["drop_full"][0], got["drop_resumed"][0]
+    np.testing.assert_allclose(resumed["losses"][3:], full["losses"][3:], rtol=1e-6)
+    assert resumed["eval"] == full["eval"]
