@@ -7,7 +7,6 @@ tensor- and pipeline-parallel slice."""
 import os
 import sys
 
-import numpy as np
 
 from conftest import ROOT, hf_checkpoint, launch_cases
 
