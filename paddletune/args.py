@@ -242,7 +242,7 @@ class TrainingArguments:
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
     virtual_pp_degree: int = F(1, "virtual pipeline stages per rank (interleaved 1F1B)", "refused", "the interleaved schedule is not built; the non-interleaved 1F1B runs with 1")
-    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags", "no_effect", NOEFF_PARALLEL)
+    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags (split_param, enable_stage1_overlap, ...)", "no_effect", "fleet's overlap / fusion switches; sharding here sends one flat tensor per owner, nothing to tune")
     export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
@@ -276,8 +276,8 @@ ALIASES = {"intokens": "zero_padding", "eval_strategy": "evaluation_strategy",
 REFUSED_VALUES = {("weight_quantize_algo", "lqlora"): "LQ-LoRA is not implemented; use lora with "
                   "weight_quantize_algo nf4 (QLoRA)"}
 # parallel degrees: values above 1 are refused until the parallel issues land (_check_parallel);
-# `sharding` over several ranks goes with sharding_parallel_degree
-PARALLEL_NOT_YET = {"sharding_parallel_degree": "sharding issue"}
+# (all parallel degrees are built now; kept for the next mode that lands in parts)
+PARALLEL_NOT_YET = {}
 
 
 def _type_of(f):
@@ -843,12 +843,28 @@ def _check_parallel(args, err, warn):
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
-    tp = max(args.tensor_parallel_degree, 1)
-    if args.sharding and "sharding_parallel_degree" in PARALLEL_NOT_YET:
-        rest = _world() // tp   # sharding_parallel_degree -1: every rank left after tensor parallel
-        if args.sharding_parallel_degree > 1 or (args.sharding_parallel_degree == -1 and rest > 1):
-            err("sharding", f"'{args.sharding}' over several ranks is not available yet (sharding "
-                "issue); remove it or set sharding_parallel_degree to 1")
+    _check_sharding(args, err, warn)
+
+
+def _check_sharding(args, err, warn):
+    """`sharding`: stage1 / stage2 / stage3, optionally with offload (PaddleNLP's spelling,
+    space-separated); one sharding rank (e.g. -1 in a one-process run) warns that it is off."""
+    words = (args.sharding or "").split()
+    bad = [w for w in words if w not in ("stage1", "stage2", "stage3", "offload")]
+    if bad:
+        err("sharding", f"unknown value '{bad[0]}': use stage1, stage2 or stage3 (optionally with "
+            "offload, space-separated), or leave it empty")
+    if words == ["offload"]:
+        err("sharding", "'offload' needs a stage: write 'stage1 offload' or 'stage2 offload'")
+    if not words:
+        if args.sharding_parallel_degree > 1:
+            warn(f"sharding_parallel_degree {args.sharding_parallel_degree} without 'sharding' "
+                 "(stage1/2/3): its ranks are plain data-parallel ranks")
+        return
+    inner = max(args.tensor_parallel_degree, 1) * max(args.pipeline_parallel_degree, 1)
+    degree = (_world() // inner if args.sharding_parallel_degree in (-1, 0)
+              else args.sharding_parallel_degree)
+    if degree <= 1:
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
 
 

@@ -47,7 +47,8 @@ def _gather_trainable(model, trainer, tpg):
 def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max_grad_norm=0.05,
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
-               zero_padding=False, trace=False, recompute_granularity="full"):
+               zero_padding=False, trace=False, recompute_granularity="full", sharding="",
+               sharding_degree=-1):
     import numpy as np
     import paddle
 
@@ -64,7 +65,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                          lr_scheduler_type="constant", seed=0,
                          per_device_eval_batch_size=4, adam_epsilon=adam_epsilon,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                         resume_from_checkpoint=resume)
+                         resume_from_checkpoint=resume, sharding=sharding,
+                         sharding_parallel_degree=sharding_degree)
     topo = parallel.init(args)
     runtime.set_seed(0)
     q = QuantArgument(weight_quantize_algo=quant) if quant else None
@@ -77,6 +79,7 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     setup = peft.apply(model, margs)
     data, dev = copy_data(32, 0), copy_data(eval_n, 1)
     marks = []   # length of the collective log after each optimizer step
+    held = []    # per step: [example ids], resident trainable numel, sharding's measured holdings
     source = None
     if zero_padding:   # packed rows of different lengths every step
         from paddletune.data.packing import PackedSource
@@ -87,9 +90,15 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         pipe.trace = []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
                       export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn, train_source=source,
-                      callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0)])
+                      callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0),
+                                 lambda tr, info: held.append(_holdings(tr, info))])
     tpg = getattr(model, "tensor_parallel", None)
+    shard = getattr(trainer, "shard", None)   # stage 3 holds only its own tensors until a step
+    if shard is not None:
+        shard.gather(trainer.trainable)
     initial = _gather_trainable(model, trainer, tpg)
+    if shard is not None:
+        shard.release(trainer.trainable)
     if tpg is not None:
         tpg.log = []
     with engine_reshards.record(enabled=record and tpg is not None) as rec:
@@ -113,7 +122,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "eval_logits_width": widths[0] if widths else None, "comm": comm,
               "engine_reshards": dict(rec.calls), "rank": topo.rank,
               "trace": pipe.trace if pipe is not None and trace else None,
-              "stage": topo.pp_rank}
+              "stage": topo.pp_rank, "held": held, "degrees": topo.degrees,
+              "trainable_numel": sum(paddle_numel(p) for p in trainer.trainable.values())}
     state = _gather_trainable(model, trainer, tpg)
     if topo.tp_rank == 0 and topo.data_rank == 0:   # one writer per pipeline stage
         os.makedirs(out_dir, exist_ok=True)
@@ -124,6 +134,25 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)
     return result
+
+
+def _holdings(trainer, info):
+    """After an optimizer step: this rank's example ids, its resident trainable elements, and
+    what sharding measured (gradient / optimizer-state elements, stage 3's peak in a step)."""
+    import numpy as np
+    ids = [int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()]
+    shard = trainer.shard.stats if getattr(trainer, "shard", None) is not None else None
+    opt = sum(int(t.size) for d in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
+              for t in d.values())
+    resident = (trainer.shard.resident(trainer.trainable) if shard is not None
+                else sum(paddle_numel(p) for p in trainer.trainable.values()))
+    lw = getattr(trainer.shard, "layerwise", None) if shard is not None else None
+    if lw is not None:   # stage 3 by blocks: the most a step should hold at once
+        size = lambda names: sum(int(np.prod(trainer.shard.shapes[n])) for n in names)  # noqa: E731
+        mine = lambda names: [n for n in names if not trainer.shard.owns(n)]  # noqa: E731
+        shard = dict(shard, peak_bound=resident + size(mine(lw.rest)) + max(size(mine(u.names)) for u in lw.units))
+    return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
+            "optimizer_numel": opt}
 
 
 def reshard_control():

@@ -1,29 +1,59 @@
 """Sharding (ZeRO-style) over the `sharding` axis: optimizer state, gradients, parameters.
 
 The S sharding ranks of a group are data-parallel ranks (each reads its own share of every global
-batch) that also split the training state. The trainable tensors are partitioned into S owners,
-whole tensors in model order, balancing numel (`partition`); rank r owns part r:
+batch: the data loader splits a global batch over dp x sharding ranks) that also split the
+training state. The trainable tensors (this rank's local shards under tensor / pipeline
+parallelism) are partitioned into S owners, whole tensors in model order, balancing numel
+(`partition`); sharding rank r owns part r:
 
     stage1  each rank keeps AdamW moments for its own tensors only; gradients are summed over the
             data ranks as without sharding; each owner updates its tensors and broadcasts them
-            to the other ranks of its sharding group (one flat broadcast per owner)
-    stage2  gradients as well: each tensor's gradient is reduced to its owner only (then summed
-            over the pure data-parallel replicas of the group), the others drop theirs at once
+            to the other ranks of its sharding group
+    stage2  gradients as well: after the step's backward the gradients are reduced to their
+            owner only (dist.reduce over the sharding group, then an all-reduce over the pure
+            data-parallel replicas of that owner), and every rank drops the gradients of the
+            tensors it does not own right away (during backward a rank holds the whole
+            gradient: gloo has no reduce_scatter, and reducing inside backward is not built)
     stage3  parameters as well: between steps a rank holds only its own tensors' values (the
-            others' storage is released); they are broadcast from their owners at the start of a
-            step and released after the update. (Whole-step gathering: the peak during a step is
-            the unsharded model's; see the README.)
+            others' storage is released). During a step the decoder blocks are gathered one at a
+            time (`Layerwise`): a block's tensors are broadcast from their owners just before its
+            forward and released right after it, gathered again when backward reaches the block
+            and released when its backward is done; the tensors outside the blocks (embedding,
+            final norm, head, a prefix) are gathered for the whole step. Peak during a step: the
+            owned tensors + the non-block ones + one block. Evaluation and export gather the
+            whole model. Frozen parameters (a PEFT backbone, quantized weights) are not sharded.
+Example, 2 sharding ranks, tensors of numel [4, 4, 4, 4]: rank 0 owns the first two, keeps their
+moments (16 numbers instead of 32), under stage2 holds their two gradients after the reduction,
+under stage3 holds only their two values between steps.
+
+The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
+stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
+
 Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
-dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU).
+dist.broadcast and all-reduce over paddle process groups (gloo on CPU, NCCL on GPU), in buckets
+of at most BUCKET elements per collective (a lone tensor straight from / into its storage); the
+only collectives inside autograd are stage 3's block gathers (forward hooks, PyLayer backward).
 
-Checkpoints stay layout-independent: each owner writes its tensors' moments under their names.
+Checkpoints stay layout-independent: each owner writes its tensors (and their moments) under their
+full names; the first pure data-parallel replica writes, so every tensor is written once.
 """
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddle.autograd import PyLayer
+
+STAGES = ("stage1", "stage2", "stage3")
+BUCKET = 1 << 22   # elements per flat collective (16 MB in float32)
+
+
+def stage_of(value):
+    """The sharding stage (1, 2 or 3) of a `sharding` argument such as "stage2" or
+    "stage1 offload" (several stages: the highest), 0 when empty."""
+    words = (value or "").split()
+    return max([int(w[-1]) for w in words if w in STAGES] or [0])
 
 
 def partition(sizes, parts):
@@ -37,58 +67,357 @@ def partition(sizes, parts):
     return owners
 
 
-class Sharding:
-    """This rank's place in its sharding group and which trainable tensors it owns."""
+def numel(t):
+    return int(np.prod(t.shape)) if t is not None else 0
 
-    def __init__(self, topo, stage, names, numels):
+
+def resident_numel(tensors):
+    """Elements of the tensors that hold storage now (a released stage-3 parameter holds none)."""
+    return sum(numel(t) for t in tensors if t is not None and t._is_initialized())
+
+
+def _refill(p, value):
+    """Give released parameter `p` the storage of `value` (its local shard's values). A tensor-
+    parallel DTensor takes it as a DTensor with its own mesh and placements: clearing or filling
+    its _local_value() would only touch a temporary wrapper."""
+    if p.is_dist():
+        from paddle.distributed.auto_parallel.api import dtensor_from_local
+
+        value = dtensor_from_local(value, p.process_mesh, p.placements)
+    value._share_buffer_to(p)
+
+
+class Sharding:
+    """This rank's place in its sharding group, which trainable tensors it owns, and the
+    collectives of the stage. `named`: [(name, parameter)] of the trainable tensors, in the same
+    order on every rank of the group; `local(p)` is a parameter's local shard (a DTensor's
+    _local_value() under tensor parallel), which is what is partitioned and sent."""
+
+    def __init__(self, topo, stage, named, local=lambda p: p):
         self.topo, self.stage = topo, stage
         self.degree, self.rank = topo.sharding_degree, topo.sharding_rank
         self.ranks = topo.ranks("sharding")
         self.group = None if len(self.ranks) == topo.world_size else topo.groups["sharding"]
-        self.owner = dict(zip(names, partition(numels, self.degree)))
+        names = [n for n, _ in named]
+        self.local = local
+        self.shapes = {n: list(local(p).shape) for n, p in named}
+        self.dtypes = {n: p.dtype for n, p in named}
+        self.owner = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
         self.owned = [n for n in names if self.owner[n] == self.rank]
+        self.released = False
+        self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
+        self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
+        self.stats = {}   # what a rank holds, measured (tests assert the split)
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
 
     def _dp(self):
-        """The pure data-parallel group (same sharding index), or None when there is none."""
-        if self.topo.dp_degree <= 1:
-            return None
-        ranks = self.topo.ranks("dp")
-        return None if len(ranks) == self.topo.world_size else self.topo.groups["dp"]
+        """(group, size) of the pure data-parallel replicas (same sharding index)."""
+        n = self.topo.dp_degree
+        if n <= 1:
+            return None, 1
+        return (None if n == self.topo.world_size else self.topo.groups["dp"]), n
 
-    def reduce_grads(self, named, grads):
-        """Stage 2+: each tensor's gradient summed into its owner (over the sharding group, then
-        over the data-parallel replicas); non-owned gradients become None."""
+    def _by_owner(self, names):
+        return [(o, [n for n in names if self.owner[n] == o]) for o in range(self.degree)]
+
+    def _buckets(self, names):
+        """(owner, names) runs of one owner's tensors of at most BUCKET elements each (a bigger
+        tensor alone): one collective per bucket, and the transient flat copy stays small."""
         out = []
-        for (n, _), g in zip(named, grads):
-            dist.reduce(g, dst=self.ranks[self.owner[n]], group=self.group)
-            if self.owns(n):
-                if self.topo.dp_degree > 1:
-                    dist.all_reduce(g, group=self._dp())
-                out.append(g)
-            else:
-                out.append(None)
+        for owner, group in self._by_owner(names):
+            cur, size = [], 0
+            for n in group:
+                k = int(np.prod(self.shapes[n]))
+                if cur and size + k > BUCKET:
+                    out.append((owner, cur))
+                    cur, size = [], 0
+                cur.append(n)
+                size += k
+            if cur:
+                out.append((owner, cur))
         return out
 
-    def broadcast_params(self, params, local):
-        """Every owner sends its tensors' values to its sharding group: one flat broadcast per
-        owner. params: {name: parameter}; local(p) -> the tensor to fill (a DTensor's shard)."""
-        for owner in range(self.degree):
-            names = [n for n in params if self.owner.get(n) == owner]
-            if not names:
+    def reduce_grads(self, names, grads):
+        """Stage 2+: gradients summed into their owner (dist.reduce over the sharding group,
+        then an all-reduce over the data-parallel replicas; per bucket, a lone tensor in place);
+        the returned list holds the owner's summed gradients (in the tensors passed in) and None
+        for every tensor this rank does not own."""
+        out = dict.fromkeys(names)
+        where = dict(zip(names, grads))
+        dp, size = self._dp()
+        for owner, group_names in self._buckets(names):
+            ts = [where[n] for n in group_names]
+            flat = ts[0] if len(ts) == 1 else paddle.concat([g.reshape([-1]).astype("float32") for g in ts])
+            dist.reduce(flat, dst=self.ranks[owner], group=self.group)
+            if owner != self.rank:
                 continue
-            ts = [local(params[n]) for n in names]
-            flat = paddle.concat([t.reshape([-1]).astype("float32") for t in ts])
-            dist.broadcast(flat, src=self.ranks[owner], group=self.group)
-            if owner == self.rank:
+            if size > 1:
+                dist.all_reduce(flat, group=dp)
+            if len(ts) == 1:
+                out[group_names[0]] = flat
                 continue
-            for t, part in zip(ts, paddle.split(flat, [int(np.prod(t.shape)) for t in ts])):
-                t.set_value(part.reshape(t.shape).astype(t.dtype))
+            for n, g, part in zip(group_names, ts, paddle.split(flat, [numel(g) for g in ts])):
+                g.set_value(part.reshape(g.shape).astype(g.dtype))   # the sum, in the gradient itself
+                out[n] = g
+        return [out[n] for n in names]
+
+    def broadcast_params(self, params):
+        """Every owner sends its tensors' values to its sharding group (per bucket; a lone
+        tensor straight from / into its storage). params: {name: parameter}; a released one
+        gets new storage (stage 3)."""
+        with paddle.no_grad():
+            for owner, names in self._buckets(list(params)):
+                src = self.ranks[owner]
+                if len(names) == 1:
+                    p = params[names[0]]
+                    if owner == self.rank or p._is_initialized():
+                        dist.broadcast(self.local(p), src=src, group=self.group)
+                    else:
+                        buf = paddle.empty(self.shapes[names[0]], self.dtypes[names[0]])
+                        dist.broadcast(buf, src=src, group=self.group)
+                        _refill(p, buf)
+                    continue
+                sizes = [int(np.prod(self.shapes[n])) for n in names]
+                if owner == self.rank:
+                    flat = paddle.concat([self.local(params[n]).reshape([-1]).astype("float32")
+                                          for n in names])
+                else:
+                    flat = paddle.empty([sum(sizes)], "float32")
+                dist.broadcast(flat, src=src, group=self.group)
+                if owner == self.rank:
+                    continue
+                for n, part in zip(names, paddle.split(flat, sizes)):
+                    value = part.reshape(self.shapes[n]).astype(self.dtypes[n])
+                    p = params[n]
+                    if p._is_initialized():
+                        self.local(p).set_value(value)
+                    else:   # released (stage 3): the received tensor's storage becomes its own
+                        _refill(p, value)
+
+    def gather(self, params):
+        """Stage 3: the whole model, filled from the owners (evaluation, export, the end of
+        training); no-op when held."""
+        if self.stage >= 3 and self.released:
+            self.broadcast_params(params)
+            self.released = False
+
+    def begin_step(self, params):
+        """Stage 3 at the start of a step: the tensors outside the decoder blocks (the blocks
+        come one at a time, `Layerwise`), or the whole model without blocks to hook."""
+        if self.stage < 3 or not self.released:
+            return
+        if self.layerwise is None:
+            return self.gather(params)
+        self.broadcast_params({n: params[n] for n in self.layerwise.rest})
+        self.released = False
+        self.layerwise.start()
+
+    def install_layerwise(self, model, params):
+        """Stage 3: hook the model's decoder blocks (model.decoder_layers()) so each is gathered
+        only while its forward or backward runs."""
+        blocks = model.decoder_layers() if hasattr(model, "decoder_layers") else None
+        if self.stage >= 3 and blocks is not None:
+            self.layerwise = Layerwise(self, blocks, params)
+
+    def release(self, params):
+        """Stage 3: drop the storage of every tensor this rank does not own."""
+        if self.stage < 3:
+            return
+        for n, p in params.items():
+            if not self.owns(n) and p._is_initialized():
+                p._clear_data()
+        self.released = True
+        if self.layerwise is not None:
+            self.layerwise.stop()
+
+    def resident(self, params):
+        """Elements of this rank's local shards that hold storage now (stage 3 between steps:
+        the owned ones only)."""
+        return sum(int(np.prod(self.shapes[n])) for n, p in params.items() if p._is_initialized())
+
+    def after_step(self, params):
+        """After the owners' update: stages 1-2 send the new values to the group, stage 3
+        releases what this rank does not own (the owners send them at the next gather)."""
+        if self.stage >= 3:
+            self.release(params)
+        else:
+            self.broadcast_params(params)
 
     def square_norm(self, sq):
         """Stage 2+: the owners' squared-norm parts summed over the sharding group."""
         if self.degree > 1:
             dist.all_reduce(sq, group=self.group)
         return sq
+
+
+class _GatherInBackward(PyLayer):
+    """Identity on a block's output; in backward (before the block's own backward) it gathers
+    the block's tensors again."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.unit.enter_backward()
+        return dy
+
+
+class _ReleaseAfterBackward(PyLayer):
+    """Identity on a block's input; its backward runs once the block's backward is done (every
+    gradient of the block's weights is computed by then): the block's tensors are released."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.unit.leave_backward()
+        return dy
+
+
+class _Unit:
+    """One decoder block's trainable tensors under layer-wise stage 3. `pending` counts the
+    backward passes through the block that have begun and not ended (two with R-Drop's two
+    forward passes, whose backwards may interleave): the block is released when it drops to 0."""
+
+    def __init__(self, owner, names):
+        self.owner, self.names = owner, names
+        self.held = False   # gathered now (the same on every rank of the group)
+        self.pending = 0
+
+    @property
+    def in_backward(self):
+        return self.pending > 0
+
+    def gather(self):
+        sh, lw = self.owner.shard, self.owner
+        if not self.held:
+            sh.broadcast_params({n: lw.params[n] for n in self.names})
+            self.held = True
+            lw.note_peak()
+
+    def release(self):
+        sh, lw = self.owner.shard, self.owner
+        for n in self.names:
+            p = lw.params[n]
+            if not sh.owns(n) and p._is_initialized():
+                p._clear_data()
+        self.held = False
+
+    def enter_backward(self):
+        self.gather()
+        self.pending += 1
+
+    def leave_backward(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.release()
+
+    def reset(self):
+        self.held, self.pending = False, 0
+
+
+class Layerwise:
+    """Stage 3 block by block, through forward pre/post hooks on each decoder block (active only
+    inside a training step; evaluation and export see the whole model):
+        pre-hook   gather the block; its input goes through _ReleaseAfterBackward
+        post-hook  release the block; its output goes through _GatherInBackward
+    A block whose backward is running (recompute re-runs its forward then) is left alone. A block
+    whose input carries no gradient (the first one over a frozen embedding, PEFT) would give no
+    signal at the end of its backward: its input gets a zero added from a leaf that requires a
+    gradient (`anchor`), so the signal comes, at the cost of that block's input gradient. Every
+    rank of a sharding group runs the same blocks in the same order, so the broadcasts match."""
+
+    def __init__(self, shard, blocks, params):
+        self.shard, self.params = shard, params
+        by_id = {id(p): n for n, p in params.items()}
+        self.units, inside = [], set()
+        for block in blocks:
+            names = [by_id[id(p)] for p in block.parameters() if id(p) in by_id]
+            if not names:
+                continue
+            unit = _Unit(self, names)
+            inside.update(names)
+            block.register_forward_pre_hook(self._pre(unit))
+            block.register_forward_post_hook(self._post(unit))
+            self.units.append(unit)
+        self.rest = [n for n in params if n not in inside]
+        self.active = False
+        self.anchors = {}   # dtype -> zero scalar leaf that requires a gradient
+
+    def start(self):
+        for u in self.units:
+            u.reset()
+        self.active = True
+        self.note_peak()
+
+    def stop(self):
+        for u in self.units:
+            u.reset()
+        self.active = False
+        for a in self.anchors.values():
+            a.clear_gradient(False)
+
+    def _anchored(self, x):
+        """x + 0 through a leaf that requires a gradient, so x's backward runs."""
+        key = str(x.dtype)
+        if key not in self.anchors:
+            a = paddle.zeros([1], x.dtype)
+            a.stop_gradient = False
+            self.anchors[key] = a
+        return x + self.anchors[key]
+
+    def note_peak(self):
+        now = self.shard.resident(self.params)
+        self.shard.stats["peak_resident"] = max(self.shard.stats.get("peak_resident", 0), now)
+
+    def _pre(self, unit):
+        def hook(layer, inputs):
+            if not self.active or unit.in_backward:
+                return None
+            unit.gather()
+            x = inputs[0]
+            if not (isinstance(x, paddle.Tensor) and paddle.is_grad_enabled()):
+                return None
+            if x.stop_gradient and not x.is_dist():
+                x = self._anchored(x)
+            if x.stop_gradient:
+                return None   # no signal at the end of its backward: held to the end of the step
+            return (_ReleaseAfterBackward.apply(x, unit),) + tuple(inputs[1:])
+        return hook
+
+    def _post(self, unit):
+        def hook(layer, inputs, out):
+            if not self.active or unit.in_backward:
+                return None
+            if not (isinstance(out, paddle.Tensor) and not out.stop_gradient and paddle.is_grad_enabled()):
+                return None   # no backward through it: kept until the step ends
+            unit.release()
+            return _GatherInBackward.apply(out, unit)
+        return hook
+
+
+def for_trainer(args, topo, named, local=lambda p: p, model=None):
+    """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
+    separate host memory on a CPU build: warned once."""
+    stage = stage_of(getattr(args, "sharding", ""))
+    offload = "offload" in (getattr(args, "sharding", "") or "").split()
+    if offload and not paddle.is_compiled_with_cuda():
+        from ..runtime import warn_once
+
+        warn_once("sharding_offload", "sharding offload keeps optimizer state in host memory on a GPU; "
+                  "on this CPU build host and device memory are the same, so it changes nothing")
+    if stage == 0 or topo.sharding_degree <= 1:
+        return None
+    shard = Sharding(topo, stage, named, local)
+    shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
+    if model is not None:
+        shard.install_layerwise(model, dict(named))
+    return shard

@@ -36,17 +36,42 @@ def no_decay(name, param):
 
 
 class AdamW:
+    """offload: the moments (and, for a float16 / bfloat16 parameter, its float32 master copy,
+    made at the first step) live in host memory and the update runs there (sharding's
+    "stage1 offload" on a GPU): per tensor, the gradient is copied to the host, the host copy
+    updated, and the parameter copied back. Written for GPUs, where it is untested; a CPU build
+    has one memory, and the trainer does not turn it on there."""
+
     def __init__(self, named_params, lr_scales=None, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0):
+                 weight_decay=0.0, offload=False):
         self.params = dict(named_params)
         self.b1, self.b2 = betas
         self.eps = eps
         self.weight_decay = weight_decay
         self.lr_scales = lr_scales or {}  # name -> multiplier (e.g. LoRA+ for B matrices)
         self.decay = {n: not no_decay(n, p) for n, p in self.params.items()}
-        self.exp_avg = {n: paddle.zeros(p.shape, "float32") for n, p in self.params.items()}
-        self.exp_avg_sq = {n: paddle.zeros(p.shape, "float32") for n, p in self.params.items()}
+        self.offload = offload
+        self.master = {}   # offload: name -> float32 host copy of a low-precision parameter
+        self.exp_avg = {n: self._zeros(p.shape) for n, p in self.params.items()}
+        self.exp_avg_sq = {n: self._zeros(p.shape) for n, p in self.params.items()}
         self.t = 0
+
+    def _zeros(self, shape):
+        z = paddle.zeros(shape, "float32")
+        return z.cpu() if self.offload else z
+
+    def _full(self, value):
+        t = paddle.full([1], value, "float32")
+        return t.cpu() if self.offload else t
+
+    def _host_copy(self, n, param):
+        """Offload: the float32 host tensor the update runs on (a kept master copy for a low-
+        precision parameter, else a fresh copy of the parameter)."""
+        if param.dtype == paddle.float32:
+            return param.cpu()
+        if n not in self.master:
+            self.master[n] = param.cpu().astype("float32")
+        return self.master[n]
 
     @paddle.no_grad()
     def step(self, grads, lr):
@@ -55,22 +80,26 @@ class AdamW:
         fused = _fused_adamw()
         if fused is not None:
             lrs = {}   # lr tensor per distinct scale (the kernel's lr_ratio is not applied on CPU)
-            pows = (paddle.full([1], self.b1 ** self.t, "float32"),
-                    paddle.full([1], self.b2 ** self.t, "float32"))
-        for n, p in self.params.items():
+            pows = (self._full(self.b1 ** self.t), self._full(self.b2 ** self.t))
+        for n, param in self.params.items():
             g = grads.get(n)
             if g is None:
                 continue
+            p = param
+            if self.offload:   # the update on host copies; the parameter copied back below
+                p, g = self._host_copy(n, param), g.cpu().astype("float32")
             if fused is not None and p.dtype == paddle.float32 and g.dtype == paddle.float32:
                 scale = self.lr_scales.get(n, 1.0)
                 if scale not in lrs:
-                    lrs[scale] = paddle.full([1], lr * scale, "float32")
+                    lrs[scale] = self._full(lr * scale)
                 fused(p, g, lrs[scale], self.exp_avg[n], self.exp_avg_sq[n], None, pows[0], pows[1],
                       None, None, self.b1, self.b2, self.eps, 1.0,
                       self.weight_decay if self.decay[n] else 0.0, self.decay[n], False, 1000,
                       False, True, False)
             else:
                 self._reference_update(n, p, g, lr)
+            if self.offload:
+                param.set_value(p.astype(param.dtype))
 
     def _reference_update(self, n, p, g, lr):
         """The update written out in paddle ops (the docstring's formula)."""

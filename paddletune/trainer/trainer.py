@@ -119,8 +119,16 @@ class Trainer:
         self.metric_names = tuple(getattr(self.loss_fn, "metric_names", ()))
         self._metric_acc = None
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
-        self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()), lr_scales,
-                               (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay)
+        # sharding (parallel/sharding.py): each rank's optimizer holds only the tensors it owns
+        from ..parallel.sharding import for_trainer
+
+        self.shard = for_trainer(args, self.topo, list(self.trainable.items()), self._local, model)
+        self.optimizer = AdamW(((n, self._local(p)) for n, p in self.trainable.items()
+                                if self.shard is None or self.shard.owns(n)), lr_scales,
+                               (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
+                               offload=self.shard is not None and self.shard.offload)
+        if self.shard is not None:
+            self.shard.release(self.trainable)   # stage 3: non-owned values dropped between steps
         self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
@@ -190,6 +198,8 @@ class Trainer:
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
         n_global, real_global, tgt_global = self.topo.all_reduce_scalars([n_local, real_local, tgt_local])
+        if self.shard is not None:   # stage 3: what is outside the blocks (these come one by one)
+            self.shard.begin_step(self.trainable)
         loss_acc = self._backward(micro_batches, n_global)
         names = list(self.trainable)
         named = [(n, self.trainable[n]) for n in names]
@@ -200,7 +210,14 @@ class Trainer:
             grads = sum_replicated_grads(self.model, named, grads, self.tp)
         if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
-        grads = self.topo.all_reduce_grads(grads)
+        if self.shard is not None and self.shard.stage >= 2:
+            grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
+        else:
+            grads = self.topo.all_reduce_grads(grads)
+        if self.shard is not None:   # stage2+: others' gradients dropped (an owner's are summed in
+            for n, g in zip(names, grads):   # place); stage1: the summed copies replace them
+                if g is None or self.shard.stage < 2:
+                    self.trainable[n].clear_gradient(False)
         norm = self._grad_norm(named, grads)
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
@@ -208,10 +225,15 @@ class Trainer:
             if factor < 1.0:
                 with paddle.no_grad():
                     for g in grads:
-                        g.scale_(factor)
-        self.optimizer.step(dict(zip(names, grads)), lr)
+                        if g is not None:
+                            g.scale_(factor)
+        if self.shard is not None:
+            self._shard_stats(grads)
+        self.optimizer.step({n: g for n, g in zip(names, grads) if g is not None}, lr)
         for p in self.trainable.values():
             p.clear_gradient(False)
+        if self.shard is not None:   # owners' new values to the group (stage 3: released)
+            self.shard.after_step(self.trainable)
         return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
 
     def _new_metrics(self):
@@ -268,7 +290,8 @@ class Trainer:
         and replicated tensors counted once), pipeline stages summed, a tied embedding once."""
         # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
         # per step lets clipping scale in place with a python float (no temporaries)
-        squares = [paddle.square(g.astype("float32")).sum() for g in grads]
+        squares = [paddle.square(g.astype("float32")).sum() if g is not None else paddle.zeros([], "float32")
+                   for g in grads]
         if self.pp is not None:
             squares = [s if self.pp.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
         if self.tp is None:
@@ -276,11 +299,28 @@ class Trainer:
         else:
             from ..parallel.tensor import global_grad_norm, is_split, replica_square_excess
 
+            held = [(x, g) for x, g in zip(named, grads) if g is not None]
             norm = global_grad_norm(squares, [is_split(p) for _, p in named], self.tp,
-                                    replica_square_excess(self.model, named, grads, self.tp))
+                                    replica_square_excess(self.model, [x for x, _ in held],
+                                                          [g for _, g in held], self.tp))
         if self.pp is not None:
             norm = paddle.sqrt(self.pp.sum_over_stages(paddle.square(norm)))
+        if self.shard is not None and self.shard.stage >= 2:   # each owner's part of the norm
+            norm = paddle.sqrt(self.shard.square_norm(paddle.square(norm)))
         return norm
+
+    def _shard_stats(self, grads):
+        """What this rank holds under sharding, measured (tests assert the 1/S split): gradient
+        elements after the reduction, optimizer-state elements."""
+        from ..parallel.sharding import numel, resident_numel
+
+        left = resident_numel(self._local(p.grad) for n, p in self.trainable.items()
+                              if p.grad is not None and not self.shard.owns(n))   # others' gradients
+        self.shard.stats.update(
+            grad_numel=sum(numel(g) for g in grads if g is not None) if self.shard.stage >= 2
+            else sum(numel(g) for g in grads), grad_numel_left=left,
+            optimizer_numel=sum(numel(t) for d in (self.optimizer.exp_avg, self.optimizer.exp_avg_sq)
+                                for t in d.values()))
 
     def _grad(self, p):
         if p.grad is None:
@@ -346,6 +386,8 @@ class Trainer:
             epoch, start = st["epoch"], st["step_in_epoch"]
         if bar is not None:
             bar.close()
+        if self.shard is not None:   # stage 3: the whole model again, for export and the caller
+            self.shard.gather(self.trainable)
         self._finish()
         return self.state
 
@@ -455,6 +497,9 @@ class Trainer:
         a, ds = self.args, self.eval_dataset
         was_training = self.model.training
         self.model.eval()
+        released = self.shard is not None and self.shard.released
+        if released:   # stage 3 between steps: gathered for evaluation, released after
+            self.shard.gather(self.trainable)
         bs, world, rank = a.per_device_eval_batch_size, self.topo.data_degree, self.topo.data_rank
         batches = [list(range(i, min(i + bs, len(ds)))) for i in range(0, len(ds), bs)]
         if a.max_evaluate_steps and a.max_evaluate_steps > 0:
@@ -487,6 +532,8 @@ class Trainer:
         self._record({"step": self.state["global_step"], **{f"eval_{k}": v for k, v in metrics.items()}})
         if was_training:
             self.model.train()
+        if released:
+            self.shard.release(self.trainable)
         return metrics
 
     def _eval_batch(self, batch):
@@ -537,8 +584,10 @@ class Trainer:
         pieces (full-model names, global boxes). Under TP a replicated tensor is written by the
         first TP rank only; under PP each stage writes its own tensors (a tied embedding once)."""
         tensors, meta = self.optimizer.state_dict()
+        mine = (lambda n: True) if self.shard is None else self.shard.owns   # sharding: owners write
         if self.tp is None:
-            own = {n: p for n, p in self.trainable.items() if self.pp is None or self.pp.counts_once(n)}
+            own = {n: p for n, p in self.trainable.items()
+                   if (self.pp is None or self.pp.counts_once(n)) and mine(n)}
             opt = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] in own}
             return ckpt.whole(ckpt.arrays(own)), ckpt.whole(opt), meta
         from ..parallel.plan import param_split
@@ -546,7 +595,8 @@ class Trainer:
 
         model_pieces, optim_pieces = [], []
         for n, p in self.trainable.items():
-            if (not is_split(p) and self.tp.rank != 0) or (self.pp is not None and not self.pp.counts_once(n)):
+            if ((not is_split(p) and self.tp.rank != 0) or (self.pp is not None and not self.pp.counts_once(n))
+                    or not mine(n)):
                 continue
             arrays = {n: self._local(p).numpy(), f"{n}.exp_avg": tensors[f"{n}.exp_avg"],
                       f"{n}.exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
@@ -589,9 +639,10 @@ class Trainer:
             state["data_state"] = data
         if self.main:
             ckpt.clean_temp_dirs(self.args.output_dir)
-        # data-parallel replicas hold the same slices: the first data rank of each writes them
+        # data-parallel replicas hold the same slices: the first replica writes them (under sharding
+        # each of its ranks writes the tensors it owns)
         path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
-                                    state, writer=self.topo.data_rank == 0, meta=self.checkpoint_meta)
+                                    state, writer=self.topo.dp_rank == 0, meta=self.checkpoint_meta)
         if self.main and getattr(self.args, "unified_checkpoint", False):
             self._unified(path)
         if self.main:
@@ -607,7 +658,7 @@ class Trainer:
         tmp = os.path.join(out_dir, ".export-pieces")
         model_pieces, _, _ = self._pieces()
         ckpt.save_checkpoint(tmp, self.topo, model_pieces, [], {"global_step": self.state["global_step"]},
-                             writer=self.topo.data_rank == 0, meta=self.checkpoint_meta)
+                             writer=self.topo.dp_rank == 0, meta=self.checkpoint_meta)
         if self.main:
             from .export import merge_checkpoint
 
@@ -636,8 +687,8 @@ class Trainer:
         missing = [k for k in names if k not in reader.index["optimizer"]]
         if missing:
             raise ValueError(f"{path}: optimizer state lacks {missing[0]}: checkpoint from a different setup?")
-        tensors = {f"{n}.{s}": self._read_local(reader, n, p, "optimizer", f"{n}.{s}")
-                   for n, p in self.trainable.items() for s in ("exp_avg", "exp_avg_sq")}
+        tensors = {f"{n}.{s}": self._read_local(reader, n, self.trainable[n], "optimizer", f"{n}.{s}")
+                   for n in self.optimizer.params for s in ("exp_avg", "exp_avg_sq")}   # owned ones
         self.optimizer.load_state_dict(tensors, state.pop("optimizer"))
         reader.release()
         rngs = state.pop("rng")
@@ -703,7 +754,8 @@ class Trainer:
                 want = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, want))
             if reader.global_shape(n) != want:
                 raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
-            self._local(p).set_value(check_finite(self._read_local(reader, n, p), n, where=path))
+            if self._local(p)._is_initialized():   # released under stage 3: its owner loads it
+                self._local(p).set_value(check_finite(self._read_local(reader, n, p), n, where=path))
 
     def _finish(self):
         a, st = self.args, self.state

@@ -1,0 +1,310 @@
+"""Sharding stage1/2/3 = one process (PARALLEL_NOTES.md acceptance rules), and resume across
+layouts. One launch of 2 ranks and one of 4 run every case (tests/launch_cases.py); the reference
+is the same function (tests/tp_cases.py:train_case) in this process at the same global batch
+(micro 2 x accumulation 2 x 2 data ranks = 4 x 2 in one process). Variable-length copy data
+(target counts differ per micro-batch and per rank), gradient clipping active.
+
+Compared: 5-step losses, grad norms, eval loss / accuracy, trained tensors (<= 1e-4 of the
+update). Asserted per rank: disjoint data shares that together make the global batch, AdamW
+state over the owned tensors only (~1/S), gradients held after the reduction ~1/S (stage2+),
+resident trainable values between steps ~1/S (stage3).
+
+Resume across layouts: a checkpoint written at step 3 under TP=2 resumes under DP=2, PP=2,
+sharding stage2 (2 ranks) and in one process; steps 4-5 equal the uninterrupted one-process run.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, hf_checkpoint, launch_cases
+from paddletune.models.hf import SafetensorsFile
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+# name -> train_case kwargs on 2 ranks (sharding_parallel_degree -1: both ranks)
+TWO = {
+    "stage1": {"sharding": "stage1"},
+    "stage2": {"sharding": "stage2"},
+    "stage3": {"sharding": "stage3"},
+    "stage3_lora": {"sharding": "stage3", "method": "lora", "lr": 2e-2},
+    "stage1_offload": {"sharding": "stage1 offload"},
+    "stage2_nf4_lora": {"sharding": "stage2", "method": "qlora", "quant": "nf4", "lr": 2e-2},
+    "stage3_rdrop": {"sharding": "stage3", "rdrop": True},   # two forward passes per micro-batch
+}
+# on 4 ranks
+FOUR = {
+    "dp2_stage1": {"sharding": "stage1", "sharding_degree": 2},
+    "dp2_stage2": {"sharding": "stage2", "sharding_degree": 2},
+    "dp2_stage3": {"sharding": "stage3", "sharding_degree": 2},
+    "tp2_stage2": {"sharding": "stage2", "tp": 2, "micro": 2},
+    "tp2_stage3_lora": {"sharding": "stage3", "tp": 2, "micro": 2, "method": "lora", "lr": 2e-2},
+    "pp2_stage3": {"sharding": "stage3", "pp": 2, "micro": 2},
+}
+SINGLE = {"sft": {}, "lora": {"method": "lora", "lr": 2e-2},   # micro 4 x accumulation 2
+          "nf4_lora": {"method": "qlora", "quant": "nf4", "lr": 2e-2}, "rdrop": {"rdrop": True}}
+# resumed from a checkpoint-3 written under another layout: (checkpoint's run, train_case kwargs)
+RESUME = {"tp2_to_dp2": ("tp2_save", {"micro": 2}), "tp2_to_pp2": ("tp2_save", {"micro": 4, "pp": 2}),
+          "tp2_to_stage3": ("tp2_save", {"micro": 2, "sharding": "stage3"}),
+          "stage3_to_tp2": ("stage3_save", {"micro": 4, "tp": 2}),
+          "stage2_to_pp2": ("stage2_save", {"micro": 4, "pp": 2})}
+RESUME4 = {"stage3_to_dp2_stage2": ("stage3_save", {"micro": 1, "sharding": "stage2", "sharding_degree": 2}),
+           "tp2_to_tp2_stage1": ("tp2_save", {"micro": 2, "sharding": "stage1", "tp": 2})}   # on 4 ranks
+RESUME_ONE = ("tp2_save", "stage3_save")   # resumed in this process too
+
+
+def ref_of(kw):
+    if kw.get("rdrop"):
+        return "rdrop"
+    return {"lora": "lora", "qlora": "nf4_lora"}.get(kw.get("method"), "sft")
+
+
+def data_ranks(kw, nproc):
+    return nproc // kw.get("tp", 1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tp_cases import train_case
+
+    base = tmp_path_factory.mktemp("sharding")
+    ck = hf_checkpoint(base / "ck", "llama", seed=3, num_hidden_layers=4)[0]
+    cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 2)))
+             for n, kw in TWO.items()]
+    saves = {"tp2_save": {"tp": 2, "micro": 4}, "stage3_save": {"sharding": "stage3", "micro": 2},
+             "stage2_save": {"sharding": "stage2", "micro": 2}}
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), save_steps=3))
+              for n, kw in saves.items()]
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
+                                              resume=str(base / src / "checkpoint-3")))
+              for n, (src, kw) in RESUME.items()]
+    drop = dict(ckpt=ck, micro=2, sharding="stage3", method="lora", lr=2e-2, lora_dropout=0.1)
+    cases += [("drop_full", "tp_cases:train_case", dict(drop, out_dir=str(base / "drop_full"), save_steps=3)),
+              ("drop_resumed", "tp_cases:train_case", dict(drop, out_dir=str(base / "drop_res"),
+                                                           resume=str(base / "drop_full" / "checkpoint-3")))]
+    two = launch_cases(cases, base / "two", nproc=2, timeout=900)
+    cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
+             for n, kw in FOUR.items()]
+    cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
+                                              resume=str(base / src / "checkpoint-3")))
+              for n, (src, kw) in RESUME4.items()]
+    four = launch_cases(cases, base / "four", nproc=4, timeout=900)
+    ref = {n: train_case(ck, str(base / f"single_{n}"), micro=4, **kw) for n, kw in SINGLE.items()}
+    for src in RESUME_ONE:
+        ref[f"{src}_to_one"] = train_case(ck, str(base / f"{src}_to_one"), micro=4,
+                                          resume=str(base / src / "checkpoint-3"))
+    return base, dict(two, **four), ref
+
+
+def _tensors(run_dir, kind="trained"):
+    """{name: array} from run_dir/<kind>*.safetensors (one file per pipeline stage under PP)."""
+    out = {}
+    for f in sorted(os.listdir(run_dir)):
+        if f.startswith(kind) and f.endswith(".safetensors"):
+            st = SafetensorsFile(os.path.join(run_dir, f))
+            out.update({k: st.get(k) for k in st.keys()})
+    return out
+
+
+def _compare(got_ranks, single, run_dir, single_dir):
+    r0 = got_ranks[0]
+    assert all(r["losses"] == r0["losses"] for r in got_ranks)
+    assert len(r0["losses"]) == 5
+    np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
+    np.testing.assert_allclose(r0["grad_norms"], single["grad_norms"], rtol=1e-4)
+    assert abs(r0["eval"]["loss"] - single["eval"]["loss"]) <= 1e-5 * abs(single["eval"]["loss"])
+    assert r0["eval"]["accuracy"] == single["eval"]["accuracy"]
+    got, one, start = _tensors(run_dir), _tensors(single_dir), _tensors(single_dir, "initial")
+    assert set(got) == set(one)
+    update = max(np.abs(one[k] - start[k]).max() for k in one)
+    assert max(np.abs(got[k] - one[k]).max() for k in one) <= 1e-4 * update
+
+
+def _check_split(ranks, single, kw):
+    """Disjoint data per step; optimizer state / gradients / resident values ~1/S per rank."""
+    from paddletune.parallel.topology import coordinates
+
+    stage = int(kw["sharding"].split()[0][-1])
+    coords = [coordinates(r["rank"], r["degrees"]) for r in ranks]
+    S = ranks[0]["degrees"]["sharding"]
+    data = [c["dp"] * S + c["sharding"] for c in coords]
+    groups = {}   # ranks that differ in the sharding coordinate only
+    for i, c in enumerate(coords):
+        groups.setdefault((c["dp"], c["pp"], c["tp"]), []).append(i)
+    assert S == 2 and all(len(g) == S for g in groups.values())
+    for step, held in enumerate(zip(*[r["held"] for r in ranks])):
+        ids = {}
+        for d, h in zip(data, held):   # TP / PP peers of a data rank read the same batch
+            assert ids.setdefault(d, h["ids"]) == h["ids"]
+        shares = [set(v) for v in ids.values()]
+        assert sum(len(s) for s in shares) == len(set().union(*shares)) == 8   # disjoint, the global batch
+        assert set().union(*shares) == set(single["held"][step]["ids"])
+        for group in groups.values():
+            total = ranks[group[0]]["trainable_numel"]   # local numel (TP slices, the PP stage's)
+            assert all(ranks[i]["trainable_numel"] == total for i in group)
+            opt = [held[i]["optimizer_numel"] for i in group]
+            assert sum(opt) == 2 * total and max(opt) <= 0.6 * 2 * total, opt
+            grads = [held[i]["shard"]["grad_numel"] for i in group]
+            if stage >= 2:
+                assert sum(grads) == total and max(grads) <= 0.6 * total, grads
+            else:
+                assert grads == [total] * S
+            # no rank keeps the backward's gradients of the tensors it does not own
+            assert all(held[i]["shard"]["grad_numel_left"] == 0 for i in group)
+            res = [held[i]["resident"] for i in group]
+            if stage >= 3:
+                assert sum(res) == total and max(res) <= 0.6 * total, res
+                # during the step: the owned tensors, the non-block ones and one block at most
+                for i in group:
+                    sh = held[i]["shard"]
+                    assert res[group.index(i)] < sh["peak_resident"] <= sh["peak_bound"], sh
+                    if kw.get("pp", 1) == 1:   # (a stage of 2 blocks may hold its all at once)
+                        assert sh["peak_bound"] < total, sh
+            else:
+                assert res == [total] * S
+
+
+@pytest.mark.parametrize("name", list(TWO))
+def test_sharding_two_ranks_equals_one_process(runs, name):
+    base, got, ref = runs
+    kw = TWO[name]
+    _compare(got[name], ref[ref_of(kw)], base / name, base / f"single_{ref_of(kw)}")
+    _check_split(got[name], ref[ref_of(kw)], kw)
+    assert min(ref[ref_of(kw)]["grad_norms"]) > 0.05   # clipping active
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_sharding_four_ranks_equals_one_process(runs, name):
+    base, got, ref = runs
+    kw = FOUR[name]
+    _compare(got[name], ref[ref_of(kw)], base / name, base / f"single_{ref_of(kw)}")
+    _check_split(got[name], ref[ref_of(kw)], kw)
+    assert got[name][0]["degrees"] == {"dp": 2 if "dp2" in name else 1, "pp": kw.get("pp", 1),
+                                       "sharding": 2, "tp": kw.get("tp", 1)}
+
+
+@pytest.mark.parametrize("name", list(RESUME) + list(RESUME4) + [f"{s}_to_one" for s in RESUME_ONE])
+def test_resume_under_another_layout(runs, name):
+    """Saved at step 3 under TP=2 / sharding stage2 / stage3 (each owner wrote its tensors and
+    their moments): steps 4 and 5 under DP=2, PP=2, TP=2, sharding stage3 and in one process,
+    and the final weights, equal the uninterrupted one-process run."""
+    base, got, ref = runs
+    resumed = ref[name] if name.endswith("_to_one") else got[name][0]
+    assert len(resumed["losses"]) == 5
+    np.testing.assert_allclose(resumed["losses"][3:], ref["sft"]["losses"][3:], rtol=1e-4)
+    one, start = _tensors(base / "single_sft"), _tensors(base / "single_sft", "initial")
+    update = max(np.abs(one[k] - start[k]).max() for k in one)
+    res = _tensors(base / name)
+    assert set(res) == set(one) and max(np.abs(res[k] - one[k]).max() for k in one) <= 1e-4 * update
+
+
+def test_saving_ranks_write_their_own_tensors(runs):
+    """Under sharding every owner writes its tensors' values and moments (its own files), each
+    tensor once; the saving runs themselves equal one process."""
+    import json
+
+    base, got, ref = runs
+    for run in ("tp2_save", "stage2_save", "stage3_save"):
+        np.testing.assert_allclose(got[run][0]["losses"], ref["sft"]["losses"], rtol=1e-5)
+    for run in ("stage2_save", "stage3_save"):
+        index = json.load(open(base / run / "checkpoint-3" / "shards.json"))
+        for kind in ("model", "optimizer"):
+            files = {p["file"] for e in index[kind].values() for p in e["pieces"]}
+            assert len(files) == 2, files   # one per sharding rank
+            assert all(len(e["pieces"]) == 1 for e in index[kind].values())   # each tensor once
+
+
+def test_partition_stage_names_and_argument_checks(monkeypatch):
+    """Whole tensors in model order, balanced numel; PaddleNLP's `sharding` spellings; bad
+    values refused naming the key; one sharding rank and a CPU offload warned."""
+    from paddletune import args as A, parallel
+    from paddletune.args import ArgumentError
+    from paddletune.parallel.sharding import for_trainer, partition, stage_of
+
+    assert partition([4, 4, 4, 4], 2) == [0, 0, 1, 1]
+    assert partition([10, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert partition([1, 1, 1, 1, 1, 1], 3) == [0, 0, 1, 1, 2, 2]
+    assert (stage_of("stage1 offload"), stage_of("stage1 stage3"), stage_of("")) == (1, 3, 0)
+    base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o"}
+    for bad, match in (("stage4", "unknown value 'stage4'"), ("offload", "needs a stage")):
+        with pytest.raises(ArgumentError, match=match) as e:
+            A.build(dict(base, sharding=bad), warn=lambda m: None)
+        assert "sharding" in str(e.value)
+    warned = []
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    A.build(dict(base, sharding="stage3", sharding_parallel_degree=-1), warn=warned.append)
+    assert any("no effect with one sharding rank" in w for w in warned)
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    warned.clear()
+    A.build(dict(base, sharding="stage2", sharding_parallel_degree=-1, tensor_parallel_degree=2),
+            warn=warned.append)
+    assert not any("sharding" in w for w in warned)   # 4 / tp 2 = 2 sharding ranks
+    logs = []
+    from paddletune import runtime
+
+    monkeypatch.setattr(runtime, "warn_once", lambda key, msg, *a: logs.append(msg))
+    args = A.build(dict(base, sharding="stage1 offload"), warn=lambda m: None)[-1]
+    assert for_trainer(args, parallel.single(), []) is None   # one rank: off
+    assert any("host and device memory are the same" in m for m in logs)
+    warned.clear()
+    A.build(dict(base, sharding="stage2", sharding_parallel_config="split_param enable_stage1_overlap"),
+            warn=warned.append)
+    assert any("sharding_parallel_config" in w and "no effect" in w for w in warned)
+
+
+def test_offloaded_adamw_equals_the_device_update():
+    """AdamW(offload=True) (the host-memory path of "stage1 offload" on a GPU, here on CPU where
+    host and device are one memory): the same updates as the in-place one, fused kernel and
+    written-out formula, float32 and a bfloat16 parameter with its float32 master copy."""
+    import paddle
+    from paddletune.trainer import optim
+
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((30, 20)).astype("float32")
+    grads = [rng.standard_normal((30, 20)).astype("float32") * 0.1 for _ in range(4)]
+    for fused in (True, False):
+        optim._FUSED["op"] = getattr(paddle._C_ops, "adamw_") if fused else None
+        out = {}
+        for offload in (False, True):
+            p = paddle.create_parameter([30, 20], "float32")
+            p.set_value(w0)
+            opt = optim.AdamW([("w", p)], weight_decay=0.1, offload=offload)
+            for g in grads:
+                opt.step({"w": paddle.to_tensor(g)}, 1e-2)
+            out[offload] = (p.numpy(), opt.state_dict()[0]["w.exp_avg_sq"])
+        np.testing.assert_allclose(out[True][0], out[False][0], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(out[True][1], out[False][1], rtol=0, atol=1e-9)
+    optim._FUSED.clear()
+    p16 = paddle.to_tensor(w0).astype("bfloat16")
+    opt = optim.AdamW([("w", p16)], offload=True)
+    for g in grads:
+        opt.step({"w": paddle.to_tensor(g).astype("bfloat16")}, 1e-3)
+    master = opt.master["w"].numpy()
+    assert master.dtype == np.float32 and np.abs(master - w0).max() > 0   # updates kept in float32
+    np.testing.assert_allclose(p16.astype("float32").numpy(), master, rtol=1e-2, atol=1e-2)
+
+
+def test_indivisible_sharding_degree_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """3 launched ranks cannot hold sharding_parallel_degree 2: the script stops with one error
+    line naming both numbers and exit code 2, before loading anything or writing output."""
+    from conftest import load_script
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "3")
+    out = tmp_path / "out"
+    code = load_script("llm/finetune_generation.py").main(
+        [os.path.join(ROOT, "llm", "llama", "sft_sharding_argument.json"), "--sharding_parallel_degree", "2",
+         "--output_dir", str(out)])
+    assert code == 2
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "world size 3" in errors[0] and "sharding_parallel_degree 2" in errors[0]
+    assert not out.exists()
+
+
+def test_same_layout_resume_with_dropout_is_exact(runs):
+    """LoRA dropout under stage3: checkpoint-3 resumed under the same layout continues the very
+    same run (each rank restores its own RNG state, so the dropout masks continue)."""
+    _, got, _ = runs
+    full, resumed = got["drop_full"][0], got["drop_resumed"][0]
+    np.testing.assert_allclose(resumed["losses"][3:], full["losses"][3:], rtol=1e-6)
+    assert resumed["eval"] == full["eval"]
