@@ -256,7 +256,6 @@ class TrainingArguments:
     log_on_each_node: bool = F(True, "log on every node", "no_effect", "rank 0 logs")
     tensor_parallel_output: bool = F(True, "keep the logits split over tensor-parallel ranks for the loss", "no_effect", "under tensor parallelism the loss always runs on vocabulary shards (the logits are never gathered)")
     sequence_parallel: bool = F(False, "Megatron sequence parallelism (activations split along the sequence)", "no_effect", "not built: activations are not split along the sequence (same results, more memory per rank)")
-    virtual_pp_degree: int = F(1, "interleaved pipeline stages per rank", "no_effect", "pipeline parallelism is not built yet")
     autotuner_benchmark: bool = F(False, "PaddleNLP's autotuner benchmark mode: benchmark mode for 5 steps")
     release_grads: bool = F(False, "free gradients after each step", "no_effect", "gradients are cleared after every step already")
     amp_custom_black_list: Optional[str] = F(None, "ops kept in float32 under AMP (GPU)", "no_effect", "no AMP on CPU")

@@ -204,3 +204,23 @@ def test_checks_change_nothing():
     before = [dataclasses.asdict(o) for o in objs]
     A._check_values(*objs, sources={}, warn=lambda m: None)
     assert [dataclasses.asdict(o) for o in objs] == before
+
+
+def test_no_key_is_declared_twice_in_a_class():
+    """A dataclass keeps the last of two same-named fields silently (virtual_pp_degree once was
+    'refused' and then 'no_effect' further down): every key is written once in the source."""
+    import ast
+
+    from paddletune.alignment import args as alignment_args
+
+    for mod in (A, alignment_args):
+        for node in ast.parse(open(mod.__file__).read()).body:
+            if isinstance(node, ast.ClassDef):
+                names = [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)]
+                assert len(names) == len(set(names)), (mod.__name__, node.name)
+
+
+def test_interleaved_pipeline_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="virtual_pp_degree") as e:
+        parse_args([write(tmp_path, dict(BASE, virtual_pp_degree=2))])
+    assert "interleaved" in str(e.value)
