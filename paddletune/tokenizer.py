@@ -37,7 +37,7 @@ def _tokenizer_class(path):
     if os.path.exists(conf):
         from .models.spec import tokenizer_class_for
 
-        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"))
+        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"), path)
         if cls is not None:
             return cls
     return Tokenizer

@@ -281,4 +281,5 @@ SPEC = register(ModelSpec(
     prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.attention\.dense$", r".*\.dense_4h_to_h$"),
     tiny_config=_TINY, default_chat_template="chatglm", tp_parts=_tp_parts,
-    hf_model_type="chatglm", claims=claims))
+    hf_model_type="chatglm", claims=claims,
+    tokenizer_classes={"ChatGLMTokenizer": "paddletune.models.chatglm6b_tokenizer:ChatGLM6BTokenizer"}))
