@@ -44,6 +44,12 @@ def _tokenizer_class(path):
 
 
 class Tokenizer:
+    # Where encode(add_special_tokens=True)'s specials go: False (most): in front of the text
+    # (BOS; ChatGLM2's [gMASK] sop), so a prompt starts with them; True (ChatGLM-6B): after the
+    # prompt, before its answer (prompt, [gMASK], <sop>, answer): then a row holds one answer and
+    # training data puts them between prompt and answer (data/sft.py, data/chat_template.py)
+    specials_after_prompt = False
+
     def __new__(cls, path, *args, **kwargs):
         if cls is Tokenizer:
             cls = _tokenizer_class(path)
