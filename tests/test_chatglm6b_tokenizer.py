@@ -137,11 +137,16 @@ def test_sft_row_layout_by_hand(tok):
     ids = ex["input_ids"].tolist()
     assert ids.count(GMASK) == 1 and ids.count(SOP) == 1 and ids[-1] == EOP
     assert [i for i, l in zip(ids, ex["labels"].tolist()) if l != -100] == ids[ids.index(SOP) + 1:]
-    assert tok.decode(ids[:ids.index(GMASK)]).replace(" ", "") == "[Round0]\n问：a\n答：x\n[Round1]\n问：b\n答："
+    # ... and its ids are those of the whole prompt text encoded at once (THUDM's chat builds
+    # one prompt string): the pieces after the first continue without a dummy "▁"
+    history = "[Round 0]\n问：a\n答：x\n[Round 1]\n问：b\n答："
+    assert ids[:ids.index(SOP) + 1] == tok.encode(history)
     # inference prompt = the training prompt
     tok2 = type(tok)(TOK_DIR)
     tok2.set_chat_template("chatglm")
     assert tok2.apply_chat_template("a", add_generation_prompt=True) == prompt + [GMASK, SOP]
+    conv = [["a", "x"], ["b"]]   # a generation prompt after one round: the specials at the end
+    assert tok2.apply_chat_template(conv, add_generation_prompt=True) == tok.encode(history)
 
 
 @pytest.fixture(scope="module")

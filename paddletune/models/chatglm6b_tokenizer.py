@@ -168,6 +168,11 @@ class ChatGLM6BTokenizer(Tokenizer):
                 ids += [self.added[piece]] if piece in self.added else self._text_ids(piece)
         return ids + self.suffix_ids if add_special_tokens else ids
 
+    def encode_continuation(self, text):
+        """Ids of `text` continuing an earlier text: without sentencepiece's dummy "▁" in front
+        (THUDM's add_dummy_prefix=False: encode "<n>" + text, drop the "▁" and "<n>" pieces)."""
+        return self.encode("<n>" + text, add_special_tokens=False)[2:] if text else []
+
     def decode(self, ids, skip_special_tokens=False):
         ids = [int(i) for i in ids if int(i) >= self.offset]   # image tokens: dropped (THUDM)
         if skip_special_tokens:
