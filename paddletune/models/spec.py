@@ -110,7 +110,8 @@ def tokenizer_class_for(name, path=None):
     """The Tokenizer subclass a checkpoint whose tokenizer_config.json names `name` needs, or None
     when the plain Tokenizer reads it. Several families may claim one name (ChatGLM-6B and
     ChatGLM2/3 both say "ChatGLMTokenizer"): then the family of the config.json in `path` picks,
-    else the class whose `vocab_file` (e.g. ice_text.model) is in `path`, else the first."""
+    else the class whose `vocab_file` (e.g. ice_text.model) is in `path`, else one that names
+    no such file (ChatGLM2's, reading tokenizer.model)."""
     import importlib
 
     get_spec("llama")   # every family registered
@@ -136,7 +137,9 @@ def tokenizer_class_for(name, path=None):
             vocab = getattr(cls, "vocab_file", None)
             if vocab and os.path.exists(os.path.join(path, vocab)):
                 return cls
-    return found[0][1] if found else None
+    # not decided: a class that names no vocabulary file of its own (whatever the import order)
+    plain = [cls for _, cls in found if not getattr(cls, "vocab_file", None)]
+    return (plain or [cls for _, cls in found] or [None])[0]
 
 
 def conversion_fixups(src_dir, config, overrides=None):
