@@ -84,6 +84,14 @@ def test_hand_worked_encode_decode(tok):
     assert tok.decode([3, a, 7]) == "a"    # image ids (< num_image_tokens) are dropped, as THUDM's
 
 
+def test_shipped_model_regenerates(tmp_path):
+    from paddletune.models.chatglm6b_tokenizer import sample_texts, train_ice_text
+
+    train_ice_text(str(tmp_path), sample_texts())
+    for f in ("ice_text.model", "tokenizer_config.json"):
+        assert open(tmp_path / f, "rb").read() == open(os.path.join(TOK_DIR, f), "rb").read(), f
+
+
 def test_selection_and_config_check(tmp_path, tok):
     from paddletune.tokenizer import Tokenizer
 
@@ -121,6 +129,11 @@ def test_sft_row_layout_by_hand(tok):
         {"src": "a\nb", "tgt": "x\ty"}, "row")
     assert ex["input_ids"].tolist() == [NL, b, GMASK, SOP, x, TAB, y]
     assert ex["labels"].tolist() == [-100] * 4 + [x, TAB, y]
+    # two rounds without a template: one answer per row, the first round joins the prompt
+    ex = ExampleBuilder(tok, data_args(chat_template="none"))({"src": ["a", "b"], "tgt": ["x", "y"]}, "row")
+    sp_, b_ = piece(tok, "▁"), piece(tok, "▁b")   # "y" alone: "▁" then "y" (no "▁y" piece)
+    assert ex["input_ids"].tolist() == [a, x, b_, GMASK, SOP, sp_, y, EOP]
+    assert ex["labels"].tolist() == [-100] * 5 + [sp_, y, EOP]
     # the built-in "plain" template gives the same ids as no template
     ex2 = ExampleBuilder(tok, data_args(chat_template="plain"))({"src": "a\nb", "tgt": "x\ty"}, "row")
     assert ex2["input_ids"].tolist() == [a, NL, b, GMASK, SOP, x, TAB, y, EOP]

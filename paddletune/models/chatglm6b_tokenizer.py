@@ -238,6 +238,8 @@ def train_ice_text(out_dir, texts, vocab_size=700, num_image_tokens=64):
     for b in range(256):
         proto.pieces.append(P(piece=f"<0x{b:02X}>", score=0.0, type=P.BYTE))
     proto.trainer_spec.byte_fallback = True
+    del proto.trainer_spec.input[:]            # the temporary paths: the file is path-independent
+    proto.trainer_spec.model_prefix = ""
     with open(os.path.join(out_dir, VOCAB_FILE), "wb") as f:
         f.write(proto.SerializeToString())
     for p in (corpus, prefix + ".model", prefix + ".vocab"):
