@@ -37,13 +37,19 @@ def _tokenizer_class(path):
     if os.path.exists(conf):
         from .models.spec import tokenizer_class_for
 
-        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"))
+        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"), path)
         if cls is not None:
             return cls
     return Tokenizer
 
 
 class Tokenizer:
+    # Where encode(add_special_tokens=True)'s specials go: False (most): in front of the text
+    # (BOS; ChatGLM2's [gMASK] sop), so a prompt starts with them; True (ChatGLM-6B): after the
+    # prompt, before its answer (prompt, [gMASK], <sop>, answer): then a row holds one answer and
+    # training data puts them between prompt and answer (data/sft.py, data/chat_template.py)
+    specials_after_prompt = False
+
     def __new__(cls, path, *args, **kwargs):
         if cls is Tokenizer:
             cls = _tokenizer_class(path)

@@ -25,7 +25,10 @@ up to and including its end-of-turn token: the first special token after the mes
 (<|im_end|>, <|eot_id|>, </s>, ...); text after it (a newline) is not labelled. A template that
 emits no special token after the content (chatglm2, chatglm3) gets the tokenizer's EOS inserted
 there, labelled, in training and inference alike. The tokenizer's own leading specials
-(BOS, or [gMASK]sop for ChatGLM) are put in front when the rendered text does not start with them.
+(BOS, or [gMASK]sop for ChatGLM2/3) are put in front when the rendered text does not start with
+them. A tokenizer whose specials close the prompt instead (`Tokenizer.specials_after_prompt`:
+ChatGLM-6B's prompt, [gMASK], <sop>, answer, <eop>) gets them before the last answer, which is
+the row's only labelled one (earlier turns become prompt), or at the end of a generation prompt.
 
 Worked example (chatml, one turn): segments
     ["<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n", "yo<|im_end|>\\n"]
@@ -366,25 +369,69 @@ def _label_split(text, content, pattern):
     return text[:m.end()], text[m.end():], True
 
 
-def encode_segments(tok, segments):
-    """[(ids, labels, is_assistant)] per segment, following the module docstring's rules."""
+def _encode_answer(tok, seg, pattern, eos):
+    """(ids, labels, True) of an assistant piece: labelled up to its end-of-turn token."""
+    labelled, tail, found = _label_split(seg.text, seg.message["content"], pattern)
+    ids = tok.encode(labelled, add_special_tokens=False) if labelled else []
+    if not found and eos is not None:
+        ids = ids + [eos]
+    tail_ids = tok.encode(tail, add_special_tokens=False) if tail else []
+    return ids + tail_ids, ids + [IGNORE] * len(tail_ids), True
+
+
+def encode_segments(tok, segments, answer_last=True):
+    """[(ids, labels, is_assistant)] per segment, following the module docstring's rules.
+    `answer_last`=False: the conversation ends in a prompt to be answered (a generation prompt),
+    which only matters for a tokenizer with specials_after_prompt."""
     pattern, eos = tok.special_token_pattern, tok.eos_token_id
+    if getattr(tok, "specials_after_prompt", False):
+        return _encode_after_prompt(tok, segments, pattern, eos, answer_last)
     out = []
     for seg in segments:
         if not seg.is_assistant:
             ids = tok.encode(seg.text, add_special_tokens=False) if seg.text else []
             out.append((ids, [IGNORE] * len(ids), False))
             continue
-        labelled, tail, found = _label_split(seg.text, seg.message["content"], pattern)
-        ids = tok.encode(labelled, add_special_tokens=False) if labelled else []
-        if not found and eos is not None:
-            ids = ids + [eos]
-        tail_ids = tok.encode(tail, add_special_tokens=False) if tail else []
-        out.append((ids + tail_ids, ids + [IGNORE] * len(tail_ids), True))
+        out.append(_encode_answer(tok, seg, pattern, eos))
     prefix = tok.special_tokens_around()[0]
     first = next((ids for ids, _, _ in out if ids), [])
     if prefix and first[:len(prefix)] != prefix:
         out.insert(0, (list(prefix), [IGNORE] * len(prefix), False))
+    return out
+
+
+def _encode_after_prompt(tok, segments, pattern, eos, answer_last=True):
+    """A tokenizer whose specials close the prompt (ChatGLM-6B: prompt, [gMASK], <sop>, answer,
+    <eop>) has one answer per row: the last assistant piece. Everything before it, earlier
+    answers too (unlabelled, no EOS added: as PaddleNLP folds earlier rounds into the prompt), is
+    prompt, and the specials (special_tokens_around()[1]) end the piece right before the answer;
+    without an answer (a generation prompt) they end the ids. One piece per segment, as above;
+    prompt pieces after the first are encoded as a continuation where the tokenizer can
+    (`encode_continuation`: no dummy "▁"), so the prompt's ids are those of its whole text
+    encoded at once (THUDM's chat) wherever the pieces meet at a "\n"; the answer is encoded on
+    its own (PaddleNLP and THUDM's fine-tuning code encode the target separately)."""
+    suffix = list(tok.special_tokens_around()[1])
+    last = max((i for i, s in enumerate(segments) if s.is_assistant), default=None) \
+        if answer_last else None
+    cont = getattr(tok, "encode_continuation", None)
+    out = []
+    for i, seg in enumerate(segments):
+        if i == last:
+            out.append(_encode_answer(tok, seg, pattern, eos))
+            continue
+        if not seg.text:
+            ids = []
+        elif cont is not None and any(p[0] for p in out):
+            ids = cont(seg.text)
+        else:
+            ids = tok.encode(seg.text, add_special_tokens=False)
+        out.append((ids, [IGNORE] * len(ids), False))
+    at = (last if last is not None else len(out)) - 1
+    if at < 0:
+        out.insert(0, ([], [], False))
+        at = 0
+    ids, labels, _ = out[at]
+    out[at] = (ids + suffix, labels + [IGNORE] * len(suffix), False)
     return out
 
 
@@ -416,5 +463,6 @@ def apply_chat_template(tok, conversation, add_generation_prompt=False, tokenize
     ctx = dict(template_context(tok), **context)
     if not tokenize:
         return template.render(messages, add_generation_prompt, **ctx)
-    pieces = encode_segments(tok, template.segments(messages, add_generation_prompt, **ctx))
+    answer_last = messages[-1]["role"] == "assistant" and not add_generation_prompt
+    pieces = encode_segments(tok, template.segments(messages, add_generation_prompt, **ctx), answer_last)
     return [i for ids, _, _ in pieces for i in ids]

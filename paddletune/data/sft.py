@@ -175,8 +175,10 @@ def _round_lengths(segments, pieces, rounds):
 
 def _cut_user(tok, segments, pieces, user_text, src_length):
     """Cut `user_text` inside the last prompt piece before the first answer from the left so
-    that all prompt pieces together fit src_length; the text around it (system, markers) stays."""
+    that all prompt pieces together fit src_length; the text around it (system, markers) stays,
+    and so do the specials that close the prompt (specials_after_prompt: ChatGLM-6B)."""
     extra = len(pieces) - len(segments)
+    closing = list(tok.special_tokens_around()[1]) if getattr(tok, "specials_after_prompt", False) else []
     first = next(i for i, (_, _, a) in enumerate(pieces) if a)
     k = first - 1
     if k < extra:
@@ -193,9 +195,10 @@ def _cut_user(tok, segments, pieces, user_text, src_length):
         return pieces[:extra] + [(ids, [IGNORE] * len(ids), False)] + pieces[first:]
     enc = lambda t: tok.encode(t, add_special_tokens=False) if t else []  # noqa: E731
     pre, content, post = enc(text[:at]), enc(user_text), enc(text[at + len(user_text):])
-    others = sum(len(p[0]) for i, p in enumerate(pieces[:first]) if i != k) + len(pre) + len(post)
+    others = sum(len(p[0]) for i, p in enumerate(pieces[:first]) if i != k) + len(pre) + len(post) \
+        + len(closing)
     keep = max(src_length - others, 0)
-    ids = pre + (content[len(content) - keep:] if keep else []) + post
+    ids = pre + (content[len(content) - keep:] if keep else []) + post + closing
     return pieces[:k] + [(ids, [IGNORE] * len(ids), False)] + pieces[first:]
 
 
@@ -246,6 +249,8 @@ def tokenize_rounds(tok, rounds, src_length, max_length, autoregressive=False):
     """Token ids and labels for one example, following the rules in the module docstring.
     Several rounds are concatenated (specials once, at the start; EOS after every target);
     when they do not fit, the oldest rounds are dropped first."""
+    if getattr(tok, "specials_after_prompt", False):
+        return _tokenize_after_prompt(tok, rounds, src_length, max_length, autoregressive)
     prefix, suffix = tok.special_tokens_around()
     eos = tok.eos_token_id
     keep = max(0, src_length - len(prefix) - len(suffix))
@@ -269,6 +274,28 @@ def tokenize_rounds(tok, rounds, src_length, max_length, autoregressive=False):
         input_ids += source + target
         labels += (source if autoregressive else [IGNORE] * len(source)) + target
     return input_ids, labels
+
+
+def _tokenize_after_prompt(tok, rounds, src_length, max_length, autoregressive=False):
+    """Tokenizers whose specials close the prompt (ChatGLM-6B; PaddleNLP's convert_example_chatglm):
+        source = prompt text tokens cut from the LEFT to src_length - len(specials), + specials
+        target = target tokens cut from the RIGHT to max_length - len(source) (+ EOS when not cut)
+    e.g. src "a b c", tgt "x y" -> [a, b, c, [gMASK], <sop>, x, y, <eop>], labels -100 x5, x, y,
+    <eop> (PaddleNLP also labels <sop>, the step after [gMASK]; here only the answer and <eop>).
+    One answer per row: earlier rounds' src and tgt tokens join the prompt, unlabelled
+    (PaddleNLP's rule without a template reads the first round only)."""
+    suffix, eos = list(tok.special_tokens_around()[1]), tok.eos_token_id
+    prompt = []
+    for src, tgt in rounds[:-1]:
+        prompt += tok.encode(src, add_special_tokens=False) + tok.encode(tgt, add_special_tokens=False)
+    prompt += tok.encode(rounds[-1][0], add_special_tokens=False)
+    keep = max(0, src_length - len(suffix))
+    source = (prompt[len(prompt) - keep:] if keep else []) + suffix
+    budget = max_length - len(source)
+    target = tok.encode(rounds[-1][1], add_special_tokens=False)[:max(budget, 0)]
+    if 0 < budget and len(target) < budget and eos is not None:
+        target = target + [eos]
+    return source + target, (source if autoregressive else [IGNORE] * len(source)) + target
 
 
 class SFTDataset:

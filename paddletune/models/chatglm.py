@@ -22,6 +22,8 @@ Architecture (L = num_layers blocks, H hidden, N heads of D = H / N, alpha = sqr
 No independent oracle runs for this family in the tests (transformers has no ChatGLM-6B): they
 check the worked example above by hand, shapes, and learning.
 Module names equal THUDM's (transformer.layers.N.attention.query_key_value, ...).
+Tokenizer: chatglm6b_tokenizer.py (ice_text.model; encode puts [gMASK] sop after the prompt, and
+the SFT data puts them between prompt and answer: Tokenizer.specials_after_prompt).
 Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan and tp_parts.
 """
 import copy
@@ -281,4 +283,5 @@ SPEC = register(ModelSpec(
     prefix_layout=_prefix_layout,
     adapter_targets=(r".*\.attention\.dense$", r".*\.dense_4h_to_h$"),
     tiny_config=_TINY, default_chat_template="chatglm", tp_parts=_tp_parts,
-    hf_model_type="chatglm", claims=claims))
+    hf_model_type="chatglm", claims=claims,
+    tokenizer_classes={"ChatGLMTokenizer": "paddletune.models.chatglm6b_tokenizer:ChatGLM6BTokenizer"}))

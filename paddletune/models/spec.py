@@ -3,6 +3,7 @@
 Code outside `models/` asks the spec (LoRA targets, TP plan, which 2-D tensors are not Linear
 weights, prefix-cache layout, chat template, tiny config) instead of testing `model_type`.
 """
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -105,18 +106,40 @@ def registered_types():
     return sorted(_REGISTRY)
 
 
-def tokenizer_class_for(name):
+def tokenizer_class_for(name, path=None):
     """The Tokenizer subclass a checkpoint whose tokenizer_config.json names `name` needs, or None
-    when the plain Tokenizer reads it."""
+    when the plain Tokenizer reads it. Several families may claim one name (ChatGLM-6B and
+    ChatGLM2/3 both say "ChatGLMTokenizer"): then the family of the config.json in `path` picks,
+    else the class whose `vocab_file` (e.g. ice_text.model) is in `path`, else one that names
+    no such file (ChatGLM2's, reading tokenizer.model)."""
     import importlib
 
     get_spec("llama")   # every family registered
+    found = []
     for spec in _REGISTRY.values():
         target = spec.tokenizer_classes.get(name)
         if target:
             module, _, cls = target.partition(":")
-            return getattr(importlib.import_module(module), cls)
-    return None
+            found.append((spec, getattr(importlib.import_module(module), cls)))
+    if len(found) > 1 and path is not None:
+        conf = os.path.join(path, "config.json")
+        if os.path.exists(conf):
+            from ..io import read_json
+
+            try:
+                owner = spec_for_config(read_json(conf))
+            except ValueError:
+                owner = None
+            for spec, cls in found:
+                if spec is owner:
+                    return cls
+        for spec, cls in found:
+            vocab = getattr(cls, "vocab_file", None)
+            if vocab and os.path.exists(os.path.join(path, vocab)):
+                return cls
+    # not decided: a class that names no vocabulary file of its own (whatever the import order)
+    plain = [cls for _, cls in found if not getattr(cls, "vocab_file", None)]
+    return (plain or [cls for _, cls in found] or [None])[0]
 
 
 def conversion_fixups(src_dir, config, overrides=None):

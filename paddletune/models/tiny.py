@@ -48,6 +48,9 @@ BUILTIN = {
     "paddletune/tiny-qwen": ("qwen", dict(hidden_size=128, intermediate_size=704, kv_channels=32,
                                          num_hidden_layers=4, num_attention_heads=4,
                                          tokenizer="tiny-qwen-tokenizer")),
+    "paddletune/tiny-chatglm6b": ("chatglm6b", dict(hidden_size=128, num_layers=4, num_attention_heads=4,
+                                                   inner_hidden_size=352, max_sequence_length=1024,
+                                                   tokenizer="tiny-chatglm6b-tokenizer")),
 }
 
 # the built-in models' chat template: "plain" renders a {src, tgt} row as exactly the tokens the
@@ -118,6 +121,8 @@ def make_tiny_checkpoint(out_dir, model_type="llama", seed=0, tokenizer_dir=TINY
     config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     if "pad_token_id" in spec.tiny_config or tok.pad_token_id is not None:
         config["pad_token_id"] = tok.pad_token_id
+    if hasattr(tok, "config_token_ids"):   # ids a family's tokenizer fixes (ChatGLM-6B's [gMASK], ...)
+        config.update(tok.config_token_ids())
     config.update(overrides)
     model = build_model(config, seed=seed)
     save_pretrained(model, out_dir, tokenizer=tok, dtype="float32")
@@ -150,7 +155,7 @@ def builtin_model_dir(name):
 
 
 def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
-    name = next((n for n in ("tokenizer.json", "tokenizer.model", "qwen.tiktoken")
+    name = next((n for n in ("tokenizer.json", "tokenizer.model", "qwen.tiktoken", "ice_text.model")
                  if os.path.exists(os.path.join(tok_dir, n))), "tokenizer.model")
     with open(os.path.join(tok_dir, name), "rb") as f:
         return hashlib.sha1(f.read()).hexdigest()[:10]
