@@ -292,4 +292,4 @@ for _mt, _arch, _tiny_cfg, _tmpl, _mlp in (
         lora_targets=tuple(rf".*\.{n}$" for n in _ATTN + _mlp), tp_plan={},
         prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$",),
         tiny_config=_tiny_cfg, default_chat_template=_tmpl, attention_module="self_attn",
-        fused_experts=_MOE_NAMES[_mt]))
+        fused_experts=_MOE_NAMES[_mt], quant_keep=(r".*\.gate", r".*\.shared_expert_gate")))

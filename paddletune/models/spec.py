@@ -65,6 +65,9 @@ class ModelSpec:
     # hf.py reads transformers 5's fused layout (model.layers.N.mlp.experts.gate_up_proj
     # [E, 2I, H], .down_proj [E, H, I], mlp.gate.weight) as those per-expert tensors
     fused_experts: Optional[Tuple[str, str, str, str]] = None
+    # regexes (full match) over module names kept in full precision by weight-only quantization
+    # unless quant_skip_modules says otherwise: MoE routers (tiny; their top-k choice is discrete)
+    quant_keep: Tuple[str, ...] = ()
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}
