@@ -319,3 +319,6 @@ def test_weight_only_int8_quantizes_experts_keeps_routers():
     assert type(block.shared_expert.up_proj).__name__ == "QuantizedLinear"
     assert type(block.gate).__name__ == "Linear" and type(block.shared_expert_gate).__name__ == "Linear"
     assert rel_err(q(ids).logits.numpy(), ref) < 5e-2   # (measured 0.023: a near-tie may flip)
+    json.dump(dict(conf, sliding_window=4096), open(bad / "config.json", "w"))
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        load_config(str(bad))

@@ -76,6 +76,11 @@ class LlamaConfig:
         if d.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window is true; sliding-window attention is "
                              "not built (set it to false to attend over the whole sequence)")
+        if mt == "mixtral" and d.get("sliding_window"):
+            raise ValueError(f"config.json: sliding_window={d['sliding_window']}: transformers' Mixtral "
+                             "then attends within that window only, which is not built here; set "
+                             "it to null (Mixtral-8x7B / 8x22B have null) to attend over the whole "
+                             "sequence")
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         cfg = cls(

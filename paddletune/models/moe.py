@@ -20,7 +20,8 @@ over the router logits of every sparse layer and the real (attention_mask = 1) t
     P_e = (sum of p_e over tokens and layers) / (tokens x layers)
     aux = E * sum_e f_e * P_e
 Example: E = 2, k = 1, two tokens with p = [.9, .1] and [.2, .8]: f = [.5, .5], P = [.55, .45],
-aux = 2 * (.5*.55 + .5*.45) = 1.0 (perfect balance gives 1 whatever the probabilities).
+aux = 2 * (.5*.55 + .5*.45) = 1.0. Perfectly balanced routing gives k (sum_e f_e = k); the
+built-in tiny models start near 2 with k = 2.
 The training loss is token cross-entropy + router_aux_loss_coef * aux when output_router_logits
 is true (transformers' rule); models/loss.py adds it.
 """
