@@ -240,8 +240,8 @@ def test_argument_files_run(tmp_path, folder, builtin, peft_loads):
 
 
 def test_refusals(tmp_path):
-    """Tensor and pipeline parallel name their key; a capacity factor (token dropping) is
-    refused at config load naming the key."""
+    """Tensor and pipeline parallel name their key; a capacity factor (token dropping) and a
+    Mixtral sliding window are refused at config load naming the key."""
     from paddletune.models import load_config, resolve_model_path
     from paddletune.parallel.plan import check_layout
 
@@ -259,6 +259,9 @@ def test_refusals(tmp_path):
     bad.mkdir()
     json.dump(dict(conf, capacity_factor=1.25), open(bad / "config.json", "w"))
     with pytest.raises(ValueError, match="capacity_factor.*dropless"):
+        load_config(str(bad))
+    json.dump(dict(conf, sliding_window=4096), open(bad / "config.json", "w"))
+    with pytest.raises(ValueError, match="sliding_window=4096"):
         load_config(str(bad))
 
 
@@ -319,6 +322,3 @@ def test_weight_only_int8_quantizes_experts_keeps_routers():
     assert type(block.shared_expert.up_proj).__name__ == "QuantizedLinear"
     assert type(block.gate).__name__ == "Linear" and type(block.shared_expert_gate).__name__ == "Linear"
     assert rel_err(q(ids).logits.numpy(), ref) < 5e-2   # (measured 0.023: a near-tie may flip)
-    json.dump(dict(conf, sliding_window=4096), open(bad / "config.json", "w"))
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        load_config(str(bad))
