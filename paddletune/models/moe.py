@@ -133,9 +133,11 @@ class SparseMoeBlock(nn.Layer):
             y = self.experts[e](paddle.gather(flat, tok_t))
             pos = paddle.to_tensor(np.stack([tok, slot], 1).astype(np.int64))
             scale = paddle.gather_nd(w, pos).astype(y.dtype).unsqueeze(-1)   # [n, 1]
-            out = paddle.index_add(out, tok_t, 0, y * scale)
+            # (cast: under AMP the expert's output may be half precision, the sum is x's dtype)
+            out = paddle.index_add(out, tok_t, 0, (y * scale).astype(out.dtype))
         if hasattr(self, "shared_expert"):
-            out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + shared.astype(out.dtype)
         return out.reshape([B, S, H])
 
 
