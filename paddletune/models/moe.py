@@ -123,22 +123,30 @@ class SparseMoeBlock(nn.Layer):
         logits, w, idx = self.route(flat)
         if ctx is not None and ctx.router_logits is not None:
             ctx.router_logits.append(logits)
-        out = paddle.zeros_like(flat)
-        chosen = idx.numpy()   # one host read: which tokens go to which expert
-        for e in range(self.num_experts):
-            tok, slot = np.nonzero(chosen == e)
-            if tok.size == 0:
-                continue
-            tok_t = paddle.to_tensor(tok.astype(np.int64))
-            y = self.experts[e](paddle.gather(flat, tok_t))
-            pos = paddle.to_tensor(np.stack([tok, slot], 1).astype(np.int64))
-            scale = paddle.gather_nd(w, pos).astype(y.dtype).unsqueeze(-1)   # [n, 1]
-            # (cast: under AMP the expert's output may be half precision, the sum is x's dtype)
-            out = paddle.index_add(out, tok_t, 0, (y * scale).astype(out.dtype))
+        out = self.dispatch(flat, w, idx)
         if hasattr(self, "shared_expert"):
             shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
             out = out + shared.astype(out.dtype)
         return out.reshape([B, S, H])
+
+    def dispatch(self, flat, w, idx):
+        """sum_j w_tj * expert_{idx_tj}(x_t) for every token, dropless. The T*k assignments are
+        sorted by expert once (one host read of idx), the tokens gathered in that order and split
+        into one contiguous run per expert hit (split's backward is a concat: no full-size
+        gradient buffer per expert), then weighted and added back to their tokens.
+        Example, k = 1, idx = [2, 0, 2]: order [1, 0, 2] -> runs {0: [x1], 2: [x0, x2]}."""
+        k = idx.shape[-1]
+        chosen = idx.numpy().reshape(-1)   # [T*k] expert of each assignment (token t, slot j)
+        order = np.argsort(chosen, kind="stable")
+        counts = np.bincount(chosen, minlength=self.num_experts)
+        tok = paddle.to_tensor((order // k).astype(np.int64))
+        runs = paddle.split(paddle.gather(flat, tok), [int(c) for c in counts if c > 0])
+        ys = [self.experts[e](r) for e, r in zip(np.flatnonzero(counts), runs)]
+        y = paddle.concat(ys) if len(ys) > 1 else ys[0]
+        scale = paddle.gather(w.reshape([-1]), paddle.to_tensor(order.astype(np.int64)))
+        # (cast: under AMP the experts' output may be half precision, the sum is x's dtype)
+        y = (y * scale.astype(y.dtype).unsqueeze(-1)).astype(flat.dtype)
+        return paddle.index_add(paddle.zeros_like(flat), tok, 0, y)
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, token_mask=None):
