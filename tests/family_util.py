@@ -21,6 +21,17 @@ HF_FAMILIES = {
         activation_dropout=0.0, pad_token_id=1)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(
         hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+    # Mixture-of-Experts (test_moe.py); initializer_range 0.1: routers with clear top-k choices
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
+        num_experts_per_tok=2, initializer_range=0.1, router_aux_loss_coef=0.02,
+        output_router_logits=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=80, initializer_range=0.1,
+        router_aux_loss_coef=0.05, output_router_logits=True)),
 }
 
 

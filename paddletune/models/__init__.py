@@ -207,6 +207,10 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     allocates its weight."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
+    if getattr(cfg, "moe", None) and topology is not None and topology.pp_degree > 1:
+        raise ValueError(f"{path}: a Mixture-of-Experts model ({cfg.model_type}) has no pipeline-"
+                         "parallel form yet (the router's load-balancing loss spans every stage): "
+                         "set pipeline_parallel_degree to 1")
     tp = topology is not None and topology.tp_degree > 1
     if tp:
         from ..parallel.plan import check_layout

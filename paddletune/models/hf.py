@@ -271,6 +271,10 @@ class CheckpointReader:
             # without the head model's prefix that our module names carry
             self.files = {base + k: f for k, f in files.items()}
             self.names = {base + k: k for k in files}
+        fused = _fused_expert_names(path)
+        if fused:
+            self.files = expert_views(self.files, fused)
+
 
     def keys(self):
         return list(self.files)
@@ -297,6 +301,90 @@ class CheckpointReader:
     def release(self):
         for st in set(self.files.values()):
             st.release()
+
+
+_FUSED = re.compile(r"(.*)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+
+
+def _fused_expert_names(path):
+    """ModelSpec.fused_experts of the family of path/config.json, or None."""
+    conf = os.path.join(path, "config.json")
+    if not os.path.exists(conf):
+        return None
+    try:
+        from .spec import spec_for_config
+
+        return spec_for_config(read_json(conf, "config.json")).fused_experts
+    except ValueError:
+        return None
+
+
+class ExpertView:
+    """Tensors that are parts of a stored one: name -> (stored name, index tuple). Reads only the
+    part's bytes (the same interface as SafetensorsFile for the names it holds)."""
+
+    def __init__(self, st):
+        self.st, self.parts, self.path = st, {}, st.path
+
+    def _raw(self, name):
+        stored, index = self.parts[name]
+        view, code = self.st._raw(stored)
+        return view[index], code
+
+    def shape(self, name):
+        return list(self._raw(name)[0].shape)
+
+    def dtype(self, name):
+        return self.st.dtype(self.parts[name][0])
+
+    def get(self, name, axis=None, start=None, stop=None):
+        index = None
+        if axis is not None:
+            index = [slice(None)] * len(self.shape(name))
+            index[axis] = slice(start, stop)
+        return self.get_box(name, index)
+
+    def get_box(self, name, index=None):
+        view, code = self._raw(name)
+        arr = np.array(view if index is None else view[tuple(index)])
+        return bf16_to_f32(arr) if code == "BF16" else arr
+
+    def release(self):
+        self.st.release()
+
+
+def expert_views(files, fused):
+    """{name: file} with transformers 5's fused MoE tensors replaced by the per-expert tensors the
+    model's modules name, fused = (block, gate, up, down) as ModelSpec.fused_experts:
+        P.mlp.experts.gate_up_proj [E, 2I, H] -> P.<block>.experts.e.<gate>.weight = [e, :I]
+                                                 P.<block>.experts.e.<up>.weight   = [e, I:]
+        P.mlp.experts.down_proj    [E, H, I]  -> P.<block>.experts.e.<down>.weight = [e]
+        P.mlp.gate.weight          [E, H]     -> P.<block>.gate.weight (the router)
+    Each part is [out, in], a Linear weight like any other (the layout rule above applies).
+    A checkpoint in the per-expert layout has none of these names and passes unchanged."""
+    block, gate, up, down = fused
+    out, views = {}, {}
+    for name, st in files.items():
+        m = _FUSED.fullmatch(name)
+        if m is None or (m.group(2) == "gate.weight" and block == "mlp"):
+            out[name] = st
+            continue
+        view = views.setdefault(id(st), ExpertView(st))
+        stored, head, kind = name, m.group(1), m.group(2)
+        shape = st.shape(stored)
+        if kind == "gate.weight":
+            view.parts[f"{head}.{block}.gate.weight"] = (stored, (slice(None),) * 2)
+        elif kind == "experts.gate_up_proj":
+            E, I2 = shape[0], shape[1]
+            for e in range(E):
+                view.parts[f"{head}.{block}.experts.{e}.{gate}.weight"] = (stored, (e, slice(0, I2 // 2)))
+                view.parts[f"{head}.{block}.experts.{e}.{up}.weight"] = (stored, (e, slice(I2 // 2, I2)))
+        else:
+            for e in range(shape[0]):
+                view.parts[f"{head}.{block}.experts.{e}.{down}.weight"] = (stored, (e,))
+    for view in views.values():
+        out.update({n: view for n in view.parts})
+    return out
 
 
 def _base_prefix(path):

@@ -1,5 +1,6 @@
 """Llama-family decoder: Llama 1/2/3, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Mistral-style (no
-sliding window).
+sliding window), and the Mixture-of-Experts members Mixtral and Qwen2-MoE (models/moe.py: `moe`
+settings from config.json; sparse blocks where moe.is_sparse_layer says, dense LlamaMLP elsewhere).
 
 One file, differences are config flags: `qkv_bias` (Qwen2), `qk_norm` (Qwen3: every query and key
 head is RMS-normalised over its head_dim by q_norm / k_norm [D] before the rotation),
@@ -14,11 +15,13 @@ Written as if for one device: tensor parallelism comes from ModelSpec.tp_plan (p
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import paddle.nn as nn
 import paddle.nn.functional as F
 
 from .layers import RMSNorm, RopeTables, attention, rope_cos_sin, rope_inv_freq, swiglu
+from .moe import SparseMoeBlock, is_sparse_layer, moe_settings
 from .runner import CausalLM
 from .spec import ModelSpec, register
 
@@ -65,6 +68,7 @@ class LlamaConfig:
     eos_token_id: object = None
     pad_token_id: object = None
     raw: dict = field(default_factory=dict)   # config.json as read; written back on save
+    moe: Optional[dict] = None   # MoE settings (moe.moe_settings); None = dense
 
     @classmethod
     def from_dict(cls, d):
@@ -72,6 +76,11 @@ class LlamaConfig:
         if d.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window is true; sliding-window attention is "
                              "not built (set it to false to attend over the whole sequence)")
+        if mt == "mixtral" and d.get("sliding_window"):
+            raise ValueError(f"config.json: sliding_window={d['sliding_window']}: transformers' Mixtral "
+                             "then attends within that window only, which is not built here; set "
+                             "it to null (Mixtral-8x7B / 8x22B have null) to attend over the whole "
+                             "sequence")
         heads = d["num_attention_heads"]
         attn_bias = bool(d.get("attention_bias", False))
         cfg = cls(
@@ -82,14 +91,16 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope=normalize_rope(d),
-            qkv_bias=attn_bias or mt == "qwen2", qk_norm=mt == "qwen3", attention_bias=attn_bias,
+            qkv_bias=attn_bias or mt == "qwen2" or (mt == "qwen2_moe" and d.get("qkv_bias", True)),
+            qk_norm=mt == "qwen3", attention_bias=attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             hidden_act=d.get("hidden_act", "silu"),
             attention_dropout=float(d.get("attention_dropout", 0.0) or 0.0),
             initializer_range=d.get("initializer_range", 0.02), model_type=mt,
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"), raw=copy.deepcopy(d))
+            pad_token_id=d.get("pad_token_id"), raw=copy.deepcopy(d),
+            moe=moe_settings(d, _MOE_NAMES[mt]) if mt in _MOE_NAMES else None)
         cfg.validate()
         return cfg
 
@@ -146,10 +157,10 @@ class LlamaAttention(nn.Layer):
 
 
 class LlamaMLP(nn.Layer):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, intermediate_size=None):
         super().__init__()
         b = None if cfg.mlp_bias else False
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = nn.Linear(H, I, bias_attr=b)
         self.up_proj = nn.Linear(H, I, bias_attr=b)
         self.down_proj = nn.Linear(I, H, bias_attr=b)
@@ -167,11 +178,19 @@ class LlamaDecoderLayer(nn.Layer):
         self.self_attn = LlamaAttention(cfg)
         self.self_attn.layer_idx = idx
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.sparse = is_sparse_layer(cfg.moe, idx)
+        # the MLP's attribute name is the checkpoint's (Mixtral: block_sparse_moe)
+        self.ffn = cfg.moe["block"] if self.sparse else "mlp"
+        if self.sparse:
+            shared = LlamaMLP(cfg, cfg.moe["shared_size"]) if cfg.moe["shared_size"] else None
+            setattr(self, self.ffn, SparseMoeBlock(cfg, shared))
+        else:
+            self.mlp = LlamaMLP(cfg)
 
     def forward(self, h, ctx):
         h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (getattr(self, self.ffn)(x, ctx) if self.sparse else self.mlp(x))
 
 
 class LlamaModel(nn.Layer):
@@ -252,3 +271,30 @@ for _mt, _arch, _tiny_cfg, _tmpl in (
         prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$", r".*\.down_proj$"),
         tiny_config=_tiny_cfg, default_chat_template=_tmpl, tp_parts=_tp_parts,
         attention_module="self_attn"))
+
+# Mixture-of-Experts members (models/moe.py). Module names = the per-expert layout transformers 5
+# writes (hf.py also reads its fused in-memory layout, ModelSpec.fused_experts). No tensor-parallel
+# plan yet (tensor_parallel_degree > 1 is refused) and no expert parallel.
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+              "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+for _mt, _arch, _tiny_cfg, _tmpl, _mlp in (
+        ("mixtral", "MixtralForCausalLM",
+         _tiny("mixtral", intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=None, router_aux_loss_coef=0.02, output_router_logits=True),
+         "llama2", ("w1", "w2", "w3")),
+        ("qwen2_moe", "Qwen2MoeForCausalLM",
+         _tiny("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+               shared_expert_intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=1,
+               mlp_only_layers=[], qkv_bias=True, router_aux_loss_coef=0.001,
+               output_router_logits=True, use_sliding_window=False),
+         "chatml", ("gate_proj", "up_proj", "down_proj"))):
+    SPECS[_mt] = register(ModelSpec(
+        model_type=_mt, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, architectures=(_arch,),
+        not_linear=("model.embed_tokens.weight",),
+        # attention and every expert (shared expert included); the router (`.*\.gate$`) can be
+        # added through lora_target_modules
+        lora_targets=tuple(rf".*\.{n}$" for n in _ATTN + _mlp), tp_plan={},
+        prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$",),
+        tiny_config=_tiny_cfg, default_chat_template=_tmpl, attention_module="self_attn",
+        fused_experts=_MOE_NAMES[_mt], quant_keep=(r".*\.gate", r".*\.shared_expert_gate")))

@@ -93,11 +93,14 @@ def hidden_loss(model, hidden, labels, keep_logits=False):
 
 def lm_loss_for(model):
     """The causal-LM loss function for `model`: this module's, or the vocabulary-parallel one of a
-    tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False)."""
+    tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False); a
+    Mixture-of-Experts model's adds the router's load-balancing loss (moe_causal_lm_loss)."""
     if getattr(model, "tensor_parallel", None) is not None:
         from ..parallel.vocab import tp_causal_lm_loss
 
         return tp_causal_lm_loss
+    if getattr(model.config, "moe", None):
+        return moe_causal_lm_loss
     return causal_lm_loss
 
 
@@ -115,5 +118,41 @@ def causal_lm_loss(model, batch, keep_logits=False):
     """Run `model` on the model inputs of `batch` (a dict of tensors) and return the LossOutput
     against batch["labels"]."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS}
-    hidden = model(**inputs, return_hidden=True).hidden_states
-    return hidden_loss(model, hidden, batch["labels"], keep_logits)
+    out = model(**inputs, return_hidden=True)
+    loss = hidden_loss(model, out.hidden_states, batch["labels"], keep_logits)
+    return with_router_loss(model, loss, out.router_logits, batch.get("attention_mask"))
+
+
+def with_router_loss(model, loss, router_logits, token_mask=None):
+    """`loss` (a LossOutput) with a Mixture-of-Experts model's load-balancing term, as
+    transformers adds it when config.json says output_router_logits: the mean loss becomes
+    CE + router_aux_loss_coef * aux, i.e. loss_sum += coef * aux * n (n its target tokens; over
+    accumulated micro-batches the aux terms are token-weighted like the CE). aux (moe.py) is over
+    the tokens with token_mask [B, S] = 1 (every token when None); metrics["aux_loss"] carries it.
+    Unchanged for dense models."""
+    moe = getattr(model.config, "moe", None)
+    if not moe or not moe["output_router_logits"] or not router_logits:
+        return loss
+    from .moe import load_balancing_loss
+
+    aux = load_balancing_loss(router_logits, moe["num_experts"], moe["top_k"], token_mask)
+    loss.loss_sum = loss.loss_sum + (moe["aux_coef"] * aux) * loss.num_tokens
+    loss.metrics = dict(loss.metrics or {}, aux_loss=(aux.detach(), paddle.ones([], "float32")))
+    return loss
+
+
+def moe_causal_lm_loss(model, batch, keep_logits=False):
+    """causal_lm_loss of a Mixture-of-Experts model in the Trainer: the batch's attention_mask
+    (which the Trainer passes for this loss: `batch_keys`) marks the real tokens of the
+    load-balancing loss only; the model runs on the same inputs as every other family's (right
+    padding, causal attention), so padded positions do not count in the router statistics."""
+    mask = batch.get("attention_mask")
+    inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
+    out = model(**inputs, return_hidden=True)
+    loss = hidden_loss(model, out.hidden_states, batch["labels"], keep_logits)
+    return with_router_loss(model, loss, out.router_logits, mask)
+
+
+moe_causal_lm_loss.batch_keys = ("attention_mask",)
+moe_causal_lm_loss.metric_names = ("aux_loss",)
+moe_causal_lm_loss.token_loss = True   # eval reports perplexity and accuracy too

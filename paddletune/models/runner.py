@@ -40,6 +40,9 @@ class CausalLMOutput:
     return_hidden=True."""
     logits: Optional[paddle.Tensor] = None
     hidden_states: Optional[paddle.Tensor] = None
+    # Mixture-of-Experts models: the router logits [B*S, E] of each sparse block, in order (the
+    # load-balancing loss in models/loss.py reads them); None for dense models
+    router_logits: Optional[list] = None
 
 
 @dataclass
@@ -56,7 +59,8 @@ class BlockContext:
     recompute: None, or "full_attn" / "core_attn" while training with that recompute granularity:
            the part of the block whose activations are recomputed in backward ("full" recomputes
            whole blocks from the runner)
-    positions: position ids [B, S] of this forward's tokens (learned position embeddings)"""
+    positions: position ids [B, S] of this forward's tokens (learned position embeddings)
+    router_logits: a list the MoE blocks append their router logits [B*S, E] to (models/moe.py)"""
     rope: object
     mask: object = None
     cache: object = None
@@ -64,6 +68,7 @@ class BlockContext:
     dropout: object = None
     recompute: object = None
     positions: object = None
+    router_logits: object = None
 
 
 class CausalLM(nn.Layer):
@@ -169,13 +174,15 @@ class CausalLM(nn.Layer):
         B, S = input_ids.shape
         h = self.embed(input_ids)
         ctx = self.context(B, S, attention_mask, position_ids, cache, segment_ids, h.dtype, input_ids)
+        ctx.router_logits = []
         h = self.run_layers(self.finish_embedding(h, ctx), ctx)
         if ctx.cache is not None:
             ctx.cache.advance(S)
         h = self.final_norm()(h)
+        router = ctx.router_logits or None
         if return_hidden:
-            return CausalLMOutput(hidden_states=h)
-        return CausalLMOutput(logits=self.logits(h))
+            return CausalLMOutput(hidden_states=h, router_logits=router)
+        return CausalLMOutput(logits=self.logits(h), router_logits=router)
 
 
 def _recompute_when_asked(forward):

@@ -61,6 +61,14 @@ class ModelSpec:
     # (no head, tied) names its tensors without it, e.g. "h.0.attn.c_attn.weight"; hf.py's reader
     # then adds it (only when no tensor name starts with it)
     base_prefix: Optional[str] = None
+    # Mixture-of-Experts (models/moe.py): (block attribute, expert gate, up, down Linear names) of
+    # the per-expert layout the model's modules use, e.g. ("block_sparse_moe", "w1", "w3", "w2");
+    # hf.py reads transformers 5's fused layout (model.layers.N.mlp.experts.gate_up_proj
+    # [E, 2I, H], .down_proj [E, H, I], mlp.gate.weight) as those per-expert tensors
+    fused_experts: Optional[Tuple[str, str, str, str]] = None
+    # regexes (full match) over module names kept in full precision by weight-only quantization
+    # unless quant_skip_modules says otherwise: MoE routers (tiny; their top-k choice is discrete)
+    quant_keep: Tuple[str, ...] = ()
 
 
 _REGISTRY: Dict[str, ModelSpec] = {}

@@ -51,6 +51,19 @@ BUILTIN = {
     "paddletune/tiny-chatglm6b": ("chatglm6b", dict(hidden_size=128, num_layers=4, num_attention_heads=4,
                                                    inner_hidden_size=352, max_sequence_length=1024,
                                                    tokenizer="tiny-chatglm6b-tokenizer")),
+    # Mixture-of-Experts: 4 experts, top-2, the load-balancing loss on (output_router_logits)
+    "paddletune/tiny-mixtral": ("mixtral", dict(hidden_size=128, intermediate_size=176,
+                                               num_hidden_layers=4, num_attention_heads=4,
+                                               num_key_value_heads=2, max_position_embeddings=1024,
+                                               num_local_experts=4, num_experts_per_tok=2)),
+    # Qwen2-MoE with its shared expert; layer 0 dense (mlp_only_layers)
+    "paddletune/tiny-qwen2moe": ("qwen2_moe", dict(hidden_size=128, intermediate_size=352,
+                                                  moe_intermediate_size=96,
+                                                  shared_expert_intermediate_size=192,
+                                                  num_hidden_layers=4, num_attention_heads=4,
+                                                  num_key_value_heads=2, max_position_embeddings=1024,
+                                                  num_experts=4, num_experts_per_tok=2,
+                                                  mlp_only_layers=[0])),
 }
 
 # the built-in models' chat template: "plain" renders a {src, tgt} row as exactly the tokens the

@@ -7,7 +7,7 @@
 
 Which Linears are kept in full precision: `quant_skip_modules` (regexes, full match over module
 names such as "model.layers.0.mlp.down_proj"); by default (None) the LM head named by
-ModelSpec.lm_head. Embeddings are not Linear layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
+ModelSpec.lm_head (and ModelSpec.quant_keep: MoE routers). Embeddings are not Linear layers and are never quantized. Quantized weights are frozen (no parameter exists for them).
 
 Block axis (weight_only.py): quantization blocks run along the axis a tensor-parallel split never
 cuts, so a TP rank can quantize just its slice and hold exactly the slice of the whole quantized
@@ -42,7 +42,8 @@ def _skip_fn(model, quant_args):
     patterns = getattr(quant_args, "quant_skip_modules", None)
     if patterns is None:
         head = model.spec.lm_head   # the LM head stays full precision (embeddings are not Linear)
-        return lambda name, layer: name == head
+        keep = [re.compile(p) for p in getattr(model.spec, "quant_keep", ())]   # MoE routers
+        return lambda name, layer: name == head or any(r.fullmatch(name) for r in keep)
     try:
         regs = [re.compile(p) for p in patterns]
     except re.error as e:

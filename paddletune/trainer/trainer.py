@@ -523,10 +523,12 @@ class Trainer:
         total = self.topo.all_reduce_sum(stats)
         loss_sum, count, correct = (float(x) for x in total.numpy())
         loss = loss_sum / max(count, 1.0)
-        if self.metric_names:   # a loss of its own: its metrics instead of ppl / token accuracy
+        if self.metric_names and not getattr(self.loss_fn, "token_loss", False):
+            # a loss of its own: its metrics instead of ppl / token accuracy
             metrics = {"loss": loss, **self._reduce_metrics(extra)}
         else:
-            metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0)}
+            metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": correct / max(count, 1.0),
+                       **self._reduce_metrics(extra)}   # (a token loss's extra terms: MoE aux_loss)
         if self.eval_fn is not None:
             metrics.update(self.eval_fn(self))
         self._record({"step": self.state["global_step"], **{f"eval_{k}": v for k, v in metrics.items()}})
