@@ -4,8 +4,9 @@ same function in this process at the same global batch. Models with a layer coun
 divide (3 blocks on 2 stages), variable-length data (padded and packed rows), clipping active,
 gradient accumulation 4. Compared: losses, grad norms, eval loss / accuracy, trained tensors
 (<= 1e-4 of the update). Asserted: each stage holds only its blocks, the send/recv trace is 1F1B
-with at most P micro-batches in flight. No dropout here: each stage draws its own layers' masks,
-in an order no single process follows (the TP tests cover dropout).
+with at most P micro-batches in flight. Dropout against one process: no (each stage draws its own
+layers' masks, in an order no single process follows); with dropout, TP2 x PP2 equals PP=2 (TP
+ranks of a stage draw the masks the PP=2 stage draws, so masks that differ across TP ranks show).
 """
 import json
 import os
@@ -31,6 +32,7 @@ PP2 = {   # name -> (checkpoint, train_case kwargs); micro 2 x accumulation 4 = 
 }
 TP_PP = {"llama3_sft": ("llama3", {}), "llama3_lora": ("llama3", {"method": "lora", "lr": 2e-2}),
          "qwen2_tied_vocab601": ("qwen2", {})}
+DROPOUT = {"method": "lora", "lr": 2e-2, "lora_dropout": 0.1, "micro": 2, "accum": 4}
 DP_PP = {"llama3_sft": ("llama3", {"micro": 4, "accum": 1})}   # 4 x 2 data ranks = 4 x 2 micro-batches
 
 
@@ -56,7 +58,9 @@ def runs(tmp_path_factory):
     cases += [("save", "tp_cases:train_case", dict(ckpt=cks["llama3"], out_dir=str(base / "save"), pp=2,
                                                    save_steps=3)),
               ("resume", "tp_cases:train_case", dict(ckpt=cks["llama3"], out_dir=str(base / "resume"), pp=2,
-                                                     resume=str(base / "save" / "checkpoint-3")))]
+                                                     resume=str(base / "save" / "checkpoint-3"))),
+              ("pp2_lora_dropout", "tp_cases:train_case", dict(DROPOUT, ckpt=cks["llama3"],
+                                                               out_dir=str(base / "dropout" / "pp2"), pp=2))]
     got = launch_cases(cases, base, nproc=2, timeout=900)
     ref = {n: train_case(cks[k], str(base / n / "single"), **{a: v for a, v in kw.items() if a != "trace"})
            for n, (k, kw) in PP2.items()}
@@ -142,6 +146,8 @@ def runs4(runs):
              for n, (k, kw) in TP_PP.items()]
     cases += [(f"dp_{n}", "tp_cases:train_case", dict(kw, ckpt=cks[k], out_dir=str(base / "dppp" / n), pp=2))
               for n, (k, kw) in DP_PP.items()]
+    cases += [("tppp_lora_dropout", "tp_cases:train_case", dict(DROPOUT, ckpt=cks["llama3"], pp=2, tp=2,
+                                                                out_dir=str(base / "dropout" / "tppp")))]
     got = launch_cases(cases, base / "tppp", nproc=4, timeout=900)
     single = {n: ref.get(n) for n in TP_PP}
     return base, cks, got, single
@@ -167,3 +173,13 @@ def test_tp2_pp2_equals_one_process(runs4, name):
 def test_dp2_pp2_equals_one_process(runs4):
     base, _, got, single = runs4
     _compare(got["dp_llama3_sft"], single["llama3_sft"], base / "dppp" / "llama3_sft", base / "llama3_sft" / "single")
+
+
+def test_tp2_pp2_with_dropout_equals_pp2(runs, runs4):
+    """LoRA dropout 0.1: TP2 x PP2 = PP=2 (losses, grad norms, eval, trained tensors), and the
+    dropout is really on (the losses differ from the same run without it)."""
+    base, _, got_pp, _ = runs
+    _, _, got, _ = runs4
+    pp = got_pp["pp2_lora_dropout"][0]
+    _compare(got["tppp_lora_dropout"], pp, base / "dropout" / "tppp", base / "dropout" / "pp2")
+    assert pp["losses"][1:] != got_pp["llama3_lora"][0]["losses"][1:]
