@@ -1,0 +1,211 @@
+"""Pre-training: the indexed corpus format (both layouts), the preprocessing tool, splits, windows,
+mixing, flat memory, and llm/run_pretrain.py (resume, 2 ranks, learning vs a unigram baseline)."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from paddletune.data.pretrain import (BlendedDataset, IndexedCorpus, PretrainDataset, build_pretrain_datasets,
+                                      parse_input_dir, pretrain_collate, split_ranges, write_corpus)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(ROOT, "paddletune", "assets", "tiny-tokenizer")
+SAMPLE = os.path.join(ROOT, "paddletune", "assets", "sample-pretrain")
+
+
+def run(cmd, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=kw.pop("cwd", ROOT), env=env, **kw)
+
+
+# ------------------------------------------------------------------ format
+
+def test_tool_output_reads_back_as_tokenizer_ids(tmp_path, capsys):
+    from paddletune.tokenizer import load_tokenizer
+
+    texts = ["The quick brown fox.", "", "jumps over the lazy dog", "x" * 50, "tabs\tand\nnewlines"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"content": t}) + "\n" if t else "\n" for t in texts))
+    out = str(tmp_path / "out" / "corpus")
+    cmd = [sys.executable, "tools/preprocess_data.py", "--model_name_or_path", TOKENIZER, "--input_path",
+           str(src), "--output_prefix", out, "--json_key", "content", "--append_eos", "--workers", "2",
+           "--log_interval", "1", "--data_impl", "mmap", "--data_format", "JSON"]
+    r = run(cmd)
+    assert r.returncode == 0, r.stderr
+    assert "4 documents" in r.stdout and "tokenizing" in r.stderr   # the tqdm bar
+    tok = load_tokenizer(TOKENIZER)
+    c = IndexedCorpus(out)
+    want = [tok.encode(t) + [tok.eos_token_id] for t in texts if t]
+    assert c.num_docs == 4 and c.dtype == np.uint16
+    assert [c.document(d).tolist() for d in range(4)] == want
+    assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]
+    # in-process from here (each launch costs an import of paddle)
+    main = _tool()
+    args = cmd[2:]
+    # a rerun over a complete output refuses (one error line, exit 2), --overwrite replaces it
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--overwrite" in err[0]
+    assert main(args + ["--overwrite", "--workers", "1", "--no_progress"]) == 0
+    assert [IndexedCorpus(out).document(d).tolist() for d in range(4)] == want
+    # bad input: one error line naming the line, nothing written
+    (tmp_path / "bad.jsonl").write_text('{"content": "ok"}\n{"content": 3}\n')
+    capsys.readouterr()
+    assert main(args[:3] + [str(tmp_path / "bad.jsonl"), "--output_prefix", str(tmp_path / "bad"),
+                            "--json_key", "content", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and not list(tmp_path.glob("bad*"))[1:]   # only bad.jsonl
+    assert main(args + ["--split_sentences", "--output_prefix", str(tmp_path / "s")]) == 2
+    assert "split_sentences" in capsys.readouterr().err
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def test_hand_built_idx_bin_layout(tmp_path):
+    """The documented byte layout, packed by hand: 3 sequences (int32) in 2 documents."""
+    seqs = [[5, 6, 7], [8], [9, 10]]
+    prefix = str(tmp_path / "hand")
+    with open(prefix + ".bin", "wb") as f:
+        for s in seqs:
+            f.write(struct.pack(f"<{len(s)}i", *s))
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))
+        f.write(struct.pack("<QQ", 3, 3))
+        f.write(struct.pack("<3i", 3, 1, 2))
+        f.write(struct.pack("<3q", 0, 12, 16))
+        f.write(struct.pack("<3q", 0, 2, 3))
+    c = IndexedCorpus(prefix)
+    assert c.dtype == np.int32 and c.num_docs == 2
+    assert [c.sequence(s).tolist() for s in range(3)] == seqs
+    assert c.document(0).tolist() == [5, 6, 7, 8] and c.document(1).tolist() == [9, 10]
+    # and our writer produces exactly these bytes
+    write_corpus(str(tmp_path / "ours"), [[[5, 6, 7], [8]], [[9, 10]]], dtype=np.int32)
+    for ext in (".bin", ".idx"):
+        assert open(prefix + ext, "rb").read() == open(str(tmp_path / "ours") + ext, "rb").read()
+    with open(prefix + ".idx", "r+b") as f:
+        f.write(b"NOTMAGIC!")
+    with pytest.raises(ValueError, match="not an mmap index"):
+        IndexedCorpus(prefix)
+
+
+def test_old_npy_npz_layout(tmp_path):
+    prefix = str(tmp_path / "old")
+    np.save(prefix + "_ids.npy", np.array([1, 2, 3, 4, 5, 6], np.int64))
+    np.savez(prefix + "_idx.npz", lens=np.array([2, 1, 3]), docs=np.array([0, 2, 3]))
+    c = IndexedCorpus(prefix)
+    assert c.num_docs == 2 and c.document(0).tolist() == [1, 2, 3] and c.document(1).tolist() == [4, 5, 6]
+    np.savez(prefix + "_idx.npz", lens=np.array([2, 1, 3]))   # no "docs": each sequence a document
+    c = IndexedCorpus(prefix)
+    assert [c.document(d).tolist() for d in range(3)] == [[1, 2], [3], [4, 5, 6]]
+    assert parse_input_dir(str(tmp_path)) == [(1.0, prefix)]
+
+
+def test_split_counts_by_hand():
+    assert split_ranges("949,50,1", 1000) == [(0, 949), (949, 999), (999, 1000)]
+    assert split_ranges("8,1,1", 10) == [(0, 8), (8, 9), (9, 10)]
+    # 3 docs: round(2.847)=3, round(0.15)=0, round(0.003)=0 -> [0, 3, 3, 3]
+    assert split_ranges("949,50,1", 3) == [(0, 3), (3, 3), (3, 3)]
+    # 7 docs, "1,1,1": round(2.33)=2 three times -> [0, 2, 4, 6], shifted by -1 -> [0, 3, 5, 7]
+    assert split_ranges("1,1,1", 7) == [(0, 3), (3, 5), (5, 7)]
+    assert split_ranges("100", 5) == [(0, 5), (5, 5), (5, 5)]
+    with pytest.raises(ValueError, match="split"):
+        split_ranges("a,b", 5)
+
+
+# ------------------------------------------------------------------ samples
+
+def _corpus(tmp_path, docs, name="c"):
+    return IndexedCorpus(write_corpus(str(tmp_path / name), docs, vocab_size=1000))
+
+
+def test_samples_cross_documents_and_reset_by_hand(tmp_path):
+    # docs of lengths 3, 4, 2 (ids tell document and offset: 10*doc + offset)
+    c = _corpus(tmp_path, [[0, 1, 2], [10, 11, 12, 13], [20, 21]])
+    ds = PretrainDataset(c, (0, 3), 4, seed=0, reset_position_ids=True, reset_attention_mask=True)
+    order = ds.order.tolist()
+    stream = np.concatenate([c.document(d) for d in order]).tolist()
+    assert len(ds) == 9 // 4 == 2 and sorted(order) == [0, 1, 2]
+    for i in range(2):
+        assert ds[i]["input_ids"].tolist() == stream[4 * i:4 * i + 4] == ds[i]["labels"].tolist()
+    # the worked example of the module docstring: order [0, 1, 2] -> sample 1 = [11 12 13 20]
+    ds.order[:] = [0, 1, 2]
+    ds.cum[1:] = np.cumsum(c.doc_len[ds.order])
+    s = ds[1]
+    assert s["input_ids"].tolist() == [11, 12, 13, 20]
+    assert s["position_ids"].tolist() == [0, 1, 2, 0] and s["segment_ids"].tolist() == [0, 0, 0, 1]
+    s = ds[0]
+    assert s["input_ids"].tolist() == [0, 1, 2, 10]
+    assert s["position_ids"].tolist() == [0, 1, 2, 0] and s["segment_ids"].tolist() == [0, 0, 0, 1]
+    plain = PretrainDataset(c, (0, 3), 4, seed=0)
+    assert set(plain[0]) == {"input_ids", "labels"}
+    b = pretrain_collate([ds[0], ds[1]])
+    assert b["input_ids"].shape == (2, 4) and "attention_mask" not in b
+    # the order is a function of the seed (and the same for the same seed)
+    assert PretrainDataset(c, (0, 3), 4, seed=0).order.tolist() == order
+
+
+def test_mixing_weights_give_proportions(tmp_path):
+    a = _corpus(tmp_path, [[1] * 40 for _ in range(50)], "a")     # 500 samples of 4
+    b = _corpus(tmp_path, [[2] * 40 for _ in range(50)], "b")
+    c = _corpus(tmp_path, [[3] * 40 for _ in range(50)], "c")
+    train, valid, test = build_pretrain_datasets(f"3 {a.prefix} 1 {b.prefix} 1 {c.prefix}", "8,2,0", 4, seed=1)
+    assert isinstance(train, BlendedDataset) and test is None
+    n = len(train)
+    assert n == 3 * 400
+    first = np.array([train[j]["input_ids"][0] for j in range(n)])
+    frac = [(first == k).mean() for k in (1, 2, 3)]
+    assert np.allclose(frac, [0.6, 0.2, 0.2], atol=1e-3)
+    # any prefix of the mix keeps the proportions (within one sample per corpus)
+    head = first[:50]
+    assert abs((head == 1).sum() - 30) <= 1 and abs((head == 2).sum() - 10) <= 1
+    again, _, _ = build_pretrain_datasets(f"3 {a.prefix} 1 {b.prefix} 1 {c.prefix}", "8,2,0", 4, seed=1)
+    assert (again.which == train.which).all() and (again.inner == train.inner).all()
+    # a directory: every corpus in it, equal weights
+    assert [w for w, _ in parse_input_dir(str(tmp_path))] == [1.0, 1.0, 1.0]
+
+
+def test_flat_memory_over_300mb_bin(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    prefix = str(tmp_path / "big")
+    n_tok, doc = 150_000_000, 1000      # uint16: 300 MB
+    ids = np.memmap(prefix + ".bin", mode="w+", dtype=np.uint16, shape=(n_tok,))
+    for s in range(0, n_tok, 10_000_000):
+        ids[s:s + 10_000_000] = (np.arange(s, min(s + 10_000_000, n_tok)) % 600).astype(np.uint16)
+    ids.flush()
+    del ids
+    n = n_tok // doc
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + struct.pack("<QQ", n, n + 1))
+        f.write(np.full(n, doc, "<i4").tobytes())
+        f.write((np.arange(n, dtype="<i8") * doc * 2).tobytes())
+        f.write(np.arange(n + 1, dtype="<i8").tobytes())
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    train, valid, _ = build_pretrain_datasets(prefix, "949,50,1", 1024, seed=3, reset_position_ids=True,
+                                              reset_attention_mask=True)
+    from paddletune.data.collate import BatchPlan
+
+    plan = BatchPlan(len(train), 8, 1, seed=3)
+    total = 0
+    for step, micro in plan.iterate(0):
+        if step == 200:
+            break
+        batch = pretrain_collate([train[i] for i in micro[0]])
+        total += int(batch["input_ids"][:, 0].sum())
+    growth = (proc.memory_info().rss - before) / 2 ** 20
+    print(f"RSS growth over 200 batches of 8 x 1024 from a 300 MB .bin: {growth:.1f} MB")
+    assert len(train) > 130_000 and growth < 100
+
+
+# ------------------------------------------------------------------ llm/run_pretrain.py
