@@ -101,7 +101,7 @@ class ModelArgument:
     lqlora_quantize_cfg: Optional[str] = F(None, "LQ-LoRA quantization config", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
     lqlora_state_dict: Optional[str] = F(None, "LQ-LoRA initial state", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
     use_shift_sparse_attention: bool = F(False, "LongLoRA's shifted sparse attention (S2-Attn)", "refused", "shifted sparse attention is not implemented; train LoRA with full attention (drop the key)")
-    continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "weights are always loaded from model_name_or_path")
+    continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "fine-tuning always loads model_name_or_path's weights (llm/run_pretrain.py reads it: false = random init from the config)")
     hidden_dropout_prob: Optional[float] = F(None, "override the model's hidden dropout", "no_effect", "dropout comes from the checkpoint's config.json")
     attention_probs_dropout_prob: Optional[float] = F(None, "override the model's attention dropout", "no_effect", "dropout comes from the checkpoint's config.json")
     flash_mask: bool = F(False, "FlashMask: sparse masks inside GPU flash attention", "no_effect", "a GPU flash-attention kernel; packed rows (zero_padding) get exact block-diagonal attention here")
@@ -391,7 +391,7 @@ JOBS = (
      "paddletune has no run_dpo.py yet",
      ("beta", "simpo_gamma", "loss_type", "label_smoothing", "reference_free", "ref_model_update_steps",
       "train_dataset_path", "dev_dataset_path", "max_seq_len", "max_prompt_len")),
-    ("pre-training", "llm/run_pretrain.py", "paddletune has no run_pretrain.py yet",
+    ("pre-training", "llm/run_pretrain.py", "paddletune runs them with its own llm/run_pretrain.py",
      ("input_dir", "max_seq_length", "split", "data_impl", "share_folder", "skip_warmup",
       "data_cache", "num_hidden_layers")),
     ("embedding training", "llm/run_embedding.py", "paddletune has no embedding-training script",

@@ -17,8 +17,9 @@ TOKENIZER = os.path.join(ROOT, "paddletune", "assets", "tiny-tokenizer")
 SAMPLE = os.path.join(ROOT, "paddletune", "assets", "sample-pretrain")
 
 
-def run(cmd, **kw):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run(cmd, env=None, **kw):
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(cmd, capture_output=True, text=True, cwd=kw.pop("cwd", ROOT), env=env, **kw)
 
 
@@ -209,3 +210,104 @@ def test_flat_memory_over_300mb_bin(tmp_path):
 
 
 # ------------------------------------------------------------------ llm/run_pretrain.py
+
+# llm/run_pretrain.py's main with the samples each rank reads recorded (rank R -> reads-rankR.json)
+WORKER = r'''
+import json, os, sys
+sys.path.insert(0, os.environ["PT_ROOT"])
+import paddletune.data.pretrain as pt
+reads = []
+get = pt.PretrainDataset.__getitem__
+def traced(self, i):
+    reads.append([self.name, int(i)])
+    return get(self, i)
+pt.PretrainDataset.__getitem__ = traced
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+def dump():
+    with open(os.path.join(out, "reads-rank%s.json" % rank), "w") as f:
+        json.dump(reads, f)
+stop = int(os.environ.get("PT_STOP_AFTER", "0"))   # an interruption: leave right after checkpoint-N
+if stop:
+    from paddletune.trainer import Trainer
+    save = Trainer.save_checkpoint
+    def save_then_stop(self):
+        r = save(self)
+        if self.state["global_step"] == stop:
+            dump()
+            os._exit(0)
+        return r
+    Trainer.save_checkpoint = save_then_stop
+import importlib.util
+spec = importlib.util.spec_from_file_location("run_pretrain", os.path.join(os.environ["PT_ROOT"], "llm", "run_pretrain.py"))
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+code = mod.main(sys.argv[1:])
+dump()
+sys.exit(code)
+'''
+
+
+def _script(tmp_path):
+    p = tmp_path / "worker.py"
+    p.write_text(WORKER)
+    return str(p)
+
+
+def _common(out, steps, **kw):
+    args = {"output_dir": str(out), "max_steps": steps, "logging_steps": 1, "save_steps": 1000,
+            "evaluation_strategy": "no", "do_eval": "false", "warmup_steps": 0, "max_seq_length": 64,
+            "per_device_train_batch_size": 4, "learning_rate": 0.003, **kw}
+    return [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+def _losses(out):
+    return [r["loss"] for r in map(json.loads, open(os.path.join(out, "train_log.jsonl"))) if "loss" in r]
+
+
+def _train_reads(out, rank=0):
+    return [i for name, i in json.load(open(os.path.join(out, f"reads-rank{rank}.json"))) if name == "train"]
+
+
+ARGFILE = os.path.join(ROOT, "llm", "llama", "pretrain_argument.json")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One process, 6 steps of 4 samples: the reference of the resume and the 2-rank tests."""
+    tmp = tmp_path_factory.mktemp("pretrain_full")
+    out = tmp / "full"
+    r = run([sys.executable, _script(tmp), ARGFILE] + _common(out, 6), env=dict(os.environ, PT_ROOT=ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_resume_continues_at_the_next_sample(tmp_path, uninterrupted):
+    env = dict(os.environ, PT_ROOT=ROOT)
+    w, full, part = _script(tmp_path), uninterrupted, tmp_path / "part"
+    r = run([sys.executable, w, ARGFILE] + _common(part, 6, save_steps=3), env=dict(env, PT_STOP_AFTER="3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = _train_reads(part)
+    assert len(first) == 12 and os.path.isdir(part / "checkpoint-3")
+    r = run([sys.executable, w, ARGFILE] + _common(part, 6, save_steps=3), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint-3" in r.stdout + r.stderr   # resumed from it
+    # the second run read exactly the samples the uninterrupted run read after step 3
+    assert first + _train_reads(part) == _train_reads(full)
+    np.testing.assert_allclose(_losses(part), _losses(full), rtol=1e-5)
+    assert len(_losses(full)) == 6
+
+
+def test_two_ranks_read_disjoint_samples(tmp_path, uninterrupted):
+    from conftest import launch
+
+    env = dict(os.environ, PT_ROOT=ROOT)
+    w, single, multi = _script(tmp_path), uninterrupted, tmp_path / "multi"
+    r = launch([w, ARGFILE] + _common(multi, 6, per_device_train_batch_size=2), nproc=2, env=env,
+               log_dir=tmp_path / "logs")
+    assert r.returncode == 0, (r.stderr[-3000:], [open(p).read()[-2000:] for p in (tmp_path / "logs").glob("workerlog*")])
+    a, b, s = _train_reads(multi, 0), _train_reads(multi, 1), _train_reads(single)
+    assert len(a) == len(b) == 12 and not set(a) & set(b)
+    for step in range(6):   # each global batch: the two shares = the one process's batch
+        assert sorted(a[2 * step:2 * step + 2] + b[2 * step:2 * step + 2]) == sorted(s[4 * step:4 * step + 4])
+    np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5)

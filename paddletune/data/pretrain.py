@@ -249,12 +249,18 @@ class _FileTokens:
 
 # ------------------------------------------------------------------ corpora, splits
 
+BUILTIN_CORPUS = "paddletune/sample-pretrain"   # paddletune/assets/sample-pretrain (tools/make_sample_corpus.py)
+
+
 def parse_input_dir(input_dir):
     """PaddleNLP's input_dir -> [(weight, prefix)]: a directory (every *.idx / *_idx.npz in it,
-    equal weights), one prefix, or "w1 prefix1 w2 prefix2 ..."."""
+    equal weights), one prefix, "w1 prefix1 w2 prefix2 ...", or the built-in
+    paddletune/sample-pretrain (docstrings of Python's standard library, tiny-tokenizer ids)."""
     if not input_dir or not str(input_dir).strip():
         raise CorpusError("input_dir is empty: give a directory of corpora, a prefix, or 'w1 prefix1 w2 prefix2'")
     text = str(input_dir).strip()
+    if text == BUILTIN_CORPUS:
+        text = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "sample-pretrain")
     if os.path.isdir(text):
         prefixes = sorted({p[:-4] for p in glob.glob(os.path.join(text, "*.idx"))} |
                           {p[:-8] for p in glob.glob(os.path.join(text, "*_idx.npz"))})
