@@ -45,6 +45,13 @@ def prepare(argv=None):
         outdir.claim(args.output_dir)
     model_path = resolve_model_path(a.model.model_name_or_path)
     spec, config = load_config(model_path)
+    if p.num_hidden_layers is not None and p.continue_training:
+        have = config.to_dict()[_layers_key(config)]
+        if have != p.num_hidden_layers:
+            raise ArgumentError(f"{a.source('num_hidden_layers')}: 'num_hidden_layers' {p.num_hidden_layers} "
+                                f"differs from the checkpoint's {have} layers ({model_path}); continued "
+                                "pre-training loads every layer: drop the key, or set continue_training: "
+                                "false for a random init of that depth")
     if p.num_hidden_layers is not None:
         config = spec.config_cls.from_dict({**config.to_dict(), _layers_key(config): p.num_hidden_layers})
     degrees = parallel.degrees_from_args(args, parallel.world_from_env()[0])

@@ -31,7 +31,7 @@ class PretrainArgument:
     split: str = F("949,50,1", "train,valid,test weights over each corpus's documents (PaddleNLP's rule: contiguous ranges)")
     max_seq_length: int = F(1024, "tokens per sample: documents are concatenated and cut into windows of this length")
     continue_training: bool = F(False, "true: load model_name_or_path's weights (continued pre-training); false: random init from its config.json")
-    num_hidden_layers: Optional[int] = F(None, "override the config's number of layers (random init only)")
+    num_hidden_layers: Optional[int] = F(None, "the config's number of layers, overridden (random init; with continue_training it must equal the checkpoint's)")
     reset_position_ids: bool = F(False, "restart position ids at each document start inside a sample (Megatron's flag)")
     reset_attention_mask: bool = F(False, "no attention across document starts inside a sample (the packed-rows attention path; Megatron's flag)")
     share_folder: bool = F(False, "PaddleNLP: the nodes share one data folder", "no_effect", "the dataset indices are computed in memory on every rank; no index files are written")
@@ -136,9 +136,6 @@ def _check(a, warn):
         err("max_seq_length", f"must be > 1, got {p.max_seq_length}")
     if p.num_hidden_layers is not None and p.num_hidden_layers <= 0:
         err("num_hidden_layers", f"must be positive, got {p.num_hidden_layers}")
-    if p.num_hidden_layers is not None and p.continue_training:
-        err("num_hidden_layers", "changes the model's depth, which only a random init can do; drop it "
-            "or set continue_training: false")
     peft = [k for k in base.PEFT_METHODS if getattr(m, k)]
     if peft:
         err(peft[0], "is not available for pre-training (all weights train); use llm/finetune_generation.py")
