@@ -101,7 +101,7 @@ class ModelArgument:
     lqlora_quantize_cfg: Optional[str] = F(None, "LQ-LoRA quantization config", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
     lqlora_state_dict: Optional[str] = F(None, "LQ-LoRA initial state", "refused", "LQ-LoRA is not implemented; use lora with weight_quantize_algo nf4 (QLoRA)")
     use_shift_sparse_attention: bool = F(False, "LongLoRA's shifted sparse attention (S2-Attn)", "refused", "shifted sparse attention is not implemented; train LoRA with full attention (drop the key)")
-    continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "fine-tuning always loads model_name_or_path's weights (llm/run_pretrain.py reads it: false = random init from the config)")
+    continue_training: bool = F(True, "PaddleNLP flag for loading pretrained weights", "no_effect", "weights are always loaded from model_name_or_path")
     hidden_dropout_prob: Optional[float] = F(None, "override the model's hidden dropout", "no_effect", "dropout comes from the checkpoint's config.json")
     attention_probs_dropout_prob: Optional[float] = F(None, "override the model's attention dropout", "no_effect", "dropout comes from the checkpoint's config.json")
     flash_mask: bool = F(False, "FlashMask: sparse masks inside GPU flash attention", "no_effect", "a GPU flash-attention kernel; packed rows (zero_padding) get exact block-diagonal attention here")

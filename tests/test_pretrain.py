@@ -332,6 +332,38 @@ def test_pretraining_beats_half_the_unigram_perplexity(tmp_path):
     print(f"valid ppl after 100 steps: {ppl:.2f}; unigram baseline {base:.2f} (ratio {ppl / base:.3f})")
     assert evals[-1]["step"] == 100 and ppl < base / 2
     assert os.path.isfile(out / "model.safetensors") and json.load(open(out / "config.json"))["model_type"] == "llama"
+    # continue_training: true loads those weights (eval only: the same valid perplexity)
+    again = tmp_path / "again"
+    r = run([sys.executable, "llm/run_pretrain.py", ARGFILE, "--output_dir", str(again), "--model_name_or_path",
+             str(out), "--continue_training", "true", "--do_train", "false", "--evaluation_strategy", "no",
+             "--reset_position_ids", "true", "--reset_attention_mask", "true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"ppl {ppl:.4f}" in r.stdout + r.stderr
+
+
+def test_bad_arguments_are_one_error_line(tmp_path):
+    """Bad input stops before output_dir is written: one `error:` line, exit 2."""
+    from paddletune.pretrain_args import parse_args
+
+    out = tmp_path / "o"
+    for extra, words in ((["--max_seq_lenght", "64"], "did you mean 'max_seq_length'"),
+                         (["--lora", "true"], "not available for pre-training"),
+                         (["--max_seq_length", "1"], "must be > 1")):
+        with pytest.raises(ValueError, match=words):
+            parse_args([ARGFILE, "--output_dir", str(out)] + extra, warn=lambda m: None)
+    with pytest.raises(ValueError, match="split"):
+        build_pretrain_datasets("paddletune/sample-pretrain", "x,y", 8)
+    for extra, words in ((["--input_dir", str(tmp_path / "none")], "no corpus at"),
+                         (["--max_seq_length", "4096"], "positions")):   # checked by the script
+        r = run([sys.executable, "llm/run_pretrain.py", ARGFILE, "--output_dir", str(out)] + extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and lines[-1].startswith("error:") and words in lines[-1], r.stderr[-2000:]
+        assert not out.exists()
+    # the fine-tuning script still refuses pre-training files, naming this one
+    from paddletune.args import ArgumentError, parse_args as sft_args
+
+    with pytest.raises(ArgumentError, match="its own llm/run_pretrain.py"):
+        sft_args([ARGFILE])
 
 
 @pytest.mark.parametrize("name", ["llama/pretrain_argument.json", "qwen/pretrain_argument.json",
