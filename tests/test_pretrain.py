@@ -227,6 +227,14 @@ rank = os.environ.get("PADDLE_TRAINER_ID", "0")
 def dump():
     with open(os.path.join(out, "reads-rank%s.json" % rank), "w") as f:
         json.dump(reads, f)
+from paddletune.trainer import Trainer
+train = Trainer.train
+def train_and_count(self):   # this rank's parameter elements (tensor parallel: its shards)
+    local = lambda p: p._local_value() if p.is_dist() else p
+    with open(os.path.join(out, "numel-rank%s.json" % rank), "w") as f:
+        json.dump(sum(int(local(p).size) for p in self.model.parameters()), f)
+    return train(self)
+Trainer.train = train_and_count
 stop = int(os.environ.get("PT_STOP_AFTER", "0"))   # an interruption: leave right after checkpoint-N
 if stop:
     from paddletune.trainer import Trainer
@@ -311,6 +319,30 @@ def test_two_ranks_read_disjoint_samples(tmp_path, uninterrupted):
     for step in range(6):   # each global batch: the two shares = the one process's batch
         assert sorted(a[2 * step:2 * step + 2] + b[2 * step:2 * step + 2]) == sorted(s[4 * step:4 * step + 4])
     np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5)
+
+
+def test_tensor_parallel_continued_pretraining_equals_one_process(tmp_path, uninterrupted):
+    """continue_training from the reference run's model, tensor_parallel_degree 2, documents
+    reset (the packed-rows attention on head shards): losses = one process; each rank holds
+    part of the weights."""
+    from conftest import launch
+
+    env = dict(os.environ, PT_ROOT=ROOT)
+    w = _script(tmp_path)
+    kw = dict(model_name_or_path=str(uninterrupted), continue_training="true", reset_position_ids="true",
+              reset_attention_mask="true")
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    r = run([sys.executable, w, ARGFILE] + _common(one, 3, **kw), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch([w, ARGFILE] + _common(tp, 3, tensor_parallel_degree=2, **kw), nproc=2, env=env,
+               log_dir=tmp_path / "logs")
+    assert r.returncode == 0, (r.stderr[-3000:], [open(p).read()[-2000:] for p in (tmp_path / "logs").glob("workerlog*")])
+    np.testing.assert_allclose(_losses(tp), _losses(one), rtol=1e-5)
+    whole = json.load(open(one / "numel-rank0.json"))
+    parts = [json.load(open(tp / f"numel-rank{r}.json")) for r in (0, 1)]
+    print(f"parameter elements: one process {whole}, tensor-parallel ranks {parts}")
+    assert parts[0] == parts[1] < 0.8 * whole
+    assert _train_reads(tp, 0) == _train_reads(tp, 1) == _train_reads(one)   # one data-parallel rank
 
 
 def test_pretraining_beats_half_the_unigram_perplexity(tmp_path):
