@@ -414,3 +414,10 @@ def test_paddlenlp_pretrain_files_parse(tmp_path, name):
     a = parse_args([path], warn=warnings.append)
     assert a.pretrain.input_dir == "paddletune/sample-pretrain" and a.pretrain.max_seq_length == 64
     assert not any("max_seq_length" in w or "input_dir" in w for w in warnings)
+    assert not a.pretrain.continue_training or a.model.model_name_or_path.startswith("paddletune/tiny-")
+    if name == "llama/pretrain_argument.json":   # and one runs, as it is: 2 steps (bf16, fused keys warned)
+        r = run([sys.executable, "llm/run_pretrain.py", path, "--do_train", "true"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        log = r.stdout + r.stderr
+        assert "'use_fused_rope: true' has no effect" in log and "step=2 " in log
+        assert os.path.isfile(os.path.join(a.training.output_dir, "model.safetensors"))
