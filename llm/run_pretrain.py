@@ -75,7 +75,8 @@ def prepare(argv=None):
         verify_checkpoint(args.resume_from_checkpoint)
     train, valid, _ = build_pretrain_datasets(p.input_dir, p.split, p.max_seq_length, seed=args.seed,
                                               reset_position_ids=p.reset_position_ids,
-                                              reset_attention_mask=p.reset_attention_mask)
+                                              reset_attention_mask=p.reset_attention_mask,
+                                              vocab_size=config.vocab_size)
     if args.do_train and train is None:
         raise DataError(f"input_dir {p.input_dir}: the train split ({p.split}) holds no sample of "
                         f"{p.max_seq_length} tokens; add data or lower max_seq_length")

@@ -310,8 +310,8 @@ class PretrainDataset:
     """Fixed-length windows over the documents [start, end) of one corpus (module docstring)."""
 
     def __init__(self, corpus, doc_range, max_seq_length, seed=1234, reset_position_ids=False,
-                 reset_attention_mask=False, name="train"):
-        self.corpus, self.L = corpus, int(max_seq_length)
+                 reset_attention_mask=False, name="train", vocab_size=None):
+        self.corpus, self.L, self.vocab_size = corpus, int(max_seq_length), vocab_size
         self.reset_pos, self.reset_attn = reset_position_ids, reset_attention_mask
         start, end = doc_range
         rng = np.random.default_rng([seed, start, end])
@@ -343,6 +343,10 @@ class PretrainDataset:
     def __getitem__(self, i):
         pieces = self.pieces(int(i))
         ids = np.concatenate([np.asarray(self.corpus.document(d)[o:o + t]) for d, o, t in pieces]).astype(np.int64)
+        if self.vocab_size is not None and (ids.max() >= self.vocab_size or ids.min() < 0):
+            raise CorpusError(f"{self.corpus.prefix}: {self.name} sample {i} holds token id {int(ids.max())} "
+                              f"outside the model's vocabulary of {self.vocab_size}: the corpus was "
+                              "tokenised for another model (rerun tools/preprocess_data.py with this one)")
         ex = {"input_ids": ids, "labels": ids.copy()}
         if self.reset_pos:
             ex["position_ids"] = np.concatenate([np.arange(t) for _, _, t in pieces]).astype(np.int64)
@@ -378,17 +382,33 @@ class BlendedDataset:
         return self.datasets[self.which[j]][int(self.inner[j])]
 
 
+def check_vocab(corpus, vocab_size, head=1 << 22):
+    """Fail at start when the first `head` tokens hold an id >= vocab_size (every sample read is
+    checked as well: a full scan of a large corpus would cost minutes at every start)."""
+    n = min(head, len(corpus.tokens))
+    if n and vocab_size is not None:
+        top = int(np.max(corpus.tokens[0:n]))
+        if top >= vocab_size:
+            raise CorpusError(f"{corpus.prefix}: token id {top} is outside the model's vocabulary of "
+                              f"{vocab_size}: the corpus was tokenised for another model (rerun "
+                              "tools/preprocess_data.py with this model's tokenizer)")
+
+
 def build_pretrain_datasets(input_dir, split, max_seq_length, seed=1234, reset_position_ids=False,
-                            reset_attention_mask=False):
+                            reset_attention_mask=False, vocab_size=None):
     """(train, valid, test) datasets (None where a split has no full sample) over the corpora of
-    input_dir, each split mixing the corpora's same split by the weights."""
+    input_dir, each split mixing the corpora's same split by the weights. With vocab_size, ids
+    outside the vocabulary are refused (check_vocab at start, then per sample)."""
     corpora = [(w, IndexedCorpus(p)) for w, p in parse_input_dir(input_dir)]
+    for _, c in corpora:
+        check_vocab(c, vocab_size)
     out = []
     for s, name in enumerate(("train", "valid", "test")):
         parts, weights = [], []
         for w, c in corpora:
             rng = split_ranges(split, c.num_docs)[s]
-            ds = PretrainDataset(c, rng, max_seq_length, seed, reset_position_ids, reset_attention_mask, name)
+            ds = PretrainDataset(c, rng, max_seq_length, seed, reset_position_ids, reset_attention_mask, name,
+                                 vocab_size)
             if len(ds) and w > 0:
                 parts.append(ds)
                 weights.append(w)
