@@ -2,7 +2,7 @@
 
     write_corpus(prefix, docs, vocab_size)        # docs: iterable of token-id arrays -> PREFIX.bin/.idx
     c = IndexedCorpus(prefix)                     # PREFIX.bin + PREFIX.idx, or PREFIX_ids.npy + PREFIX_idx.npz
-    c.document(d)                                 # np array (a view of the memory map)
+    c.document(d)                                 # np array (read from the .bin on demand)
     train, valid, test = build_pretrain_datasets(input_dir, "949,50,1", max_seq_length, seed)
     train[i] -> {"input_ids", "labels"[, "position_ids", "segment_ids"]}  (int64 [max_seq_length])
 
@@ -39,6 +39,7 @@ most behind: argmax_d (w_d * (j + 1) - count_d) (Megatron's blending rule, deter
 corpus that runs out starts again from its first sample. The mix has sum of the corpora's
 sample counts samples.
 """
+import array
 import glob
 import os
 import struct
@@ -74,7 +75,8 @@ class CorpusWriter:
         os.makedirs(d, exist_ok=True)
         self._bin_tmp, self._idx_tmp = prefix + ".bin.tmp", prefix + ".idx.tmp"
         self._bin = open(self._bin_tmp, "wb")
-        self.sizes, self.doc_idx = [], [0]   # per sequence / per document (not per token)
+        # per sequence / per document (never per token), as compact C arrays: 4 / 8 bytes each
+        self.sizes, self.doc_idx = array.array("i"), array.array("q", [0])
         self.tokens = 0
 
     def add_document(self, sequences):
@@ -90,11 +92,11 @@ class CorpusWriter:
 
     def close(self):
         self._bin.close()
-        sizes = np.asarray(self.sizes, np.int32)
+        sizes = np.frombuffer(self.sizes, np.int32) if len(self.sizes) else np.zeros(0, np.int32)
         pointers = np.zeros(len(sizes), np.int64)
         if len(sizes):
             pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize
-        doc_idx = np.asarray(self.doc_idx, np.int64)
+        doc_idx = np.frombuffer(self.doc_idx, np.int64)
         with open(self._idx_tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<Q", 1) + struct.pack("<B", CODES[self.dtype]))
             f.write(struct.pack("<Q", len(sizes)) + struct.pack("<Q", len(doc_idx)))
@@ -137,7 +139,8 @@ def corpus_files(prefix):
 
 
 class IndexedCorpus:
-    """One corpus, memory-mapped. seq_start[s] = token offset of sequence s; doc_idx as in the
+    """One corpus: the index in memory (per-sequence arrays), the token ids read from the file
+    on demand (_FileTokens). seq_start[s] = token offset of sequence s; doc_idx as in the
     file; doc_start / doc_len per document (documents are contiguous runs of sequences)."""
 
     def __init__(self, prefix):
