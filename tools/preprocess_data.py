@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 try:
     import paddletune  # noqa: F401
 except ImportError:  # running from a source checkout
@@ -66,7 +68,7 @@ def _encode(item):
         return n, None, f"not valid JSON ({e})"
     if not isinstance(row, dict) or _KEY not in row or not isinstance(row[_KEY], str):
         return n, None, f"has no string field {_KEY!r} (set --json_key)"
-    return n, _TOK.encode(row[_KEY]), None
+    return n, np.asarray(_TOK.encode(row[_KEY]), np.int32), None   # an array pickles ~10x smaller than a list
 
 
 def _lines(path):
@@ -119,7 +121,7 @@ def main(argv=None):
             if ids is None:
                 continue
             if a.append_eos:
-                ids = list(ids) + [eos]
+                ids = np.append(ids, np.int32(eos))
             writer.add_document(ids)
             docs += 1
             if bar is not None and docs % max(1, a.log_interval) == 0:

@@ -14,6 +14,8 @@ writes with --data_impl mmap), all little-endian:
                 .bin) | int64 doc_idx[m] (the sequence where each document starts; m = docs + 1,
                 doc_idx[0] = 0, doc_idx[-1] = n)
     dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float32, 7 float64, 8 uint16
+    (6 / 7 as gpt-neox reads them; old Megatron reads both as float64, megatron-core's DType has
+    6 float64 and 7 float32. Token ids are integers: the writer uses uint16 or int32 only.)
 PaddleNLP's older layout: PREFIX_ids.npy (1-D token ids) + PREFIX_idx.npz with "lens" (sequence
 lengths) and optionally "docs" (doc_idx as above; without it every sequence is a document).
 
