@@ -53,6 +53,11 @@ def test_tool_output_reads_back_as_tokenizer_ids(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error:") and "--overwrite" in err[0]
     assert main(args + ["--overwrite", "--workers", "1", "--no_progress"]) == 0
     assert [IndexedCorpus(out).document(d).tolist() for d in range(4)] == want
+    # restartable: an interrupted run's temp files are no output; a rerun replaces them
+    stale = str(tmp_path / "out" / "again")
+    open(stale + ".bin.tmp", "wb").write(b"half a run")
+    assert main(args[:5] + [stale] + args[6:] + ["--no_progress"]) == 0
+    assert IndexedCorpus(stale).num_docs == 4 and not os.path.exists(stale + ".bin.tmp")
     # bad input: one error line naming the line, nothing written
     (tmp_path / "bad.jsonl").write_text('{"content": "ok"}\n{"content": 3}\n')
     capsys.readouterr()
@@ -69,6 +74,7 @@ def _tool():
 
     spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(ROOT, "tools", "preprocess_data.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["preprocess_data"] = mod   # the pool pickles its worker function by module name
     spec.loader.exec_module(mod)
     return mod.main
 
