@@ -390,7 +390,7 @@ JOBS = (
      "paddletune has no run_dpo.py yet",
      ("beta", "simpo_gamma", "loss_type", "label_smoothing", "reference_free", "ref_model_update_steps",
       "train_dataset_path", "dev_dataset_path", "max_seq_len", "max_prompt_len")),
-    ("pre-training", "llm/run_pretrain.py", "paddletune has no run_pretrain.py yet",
+    ("pre-training", "llm/run_pretrain.py", "paddletune runs them with its own llm/run_pretrain.py",
      ("input_dir", "max_seq_length", "split", "data_impl", "share_folder", "skip_warmup",
       "data_cache", "num_hidden_layers")),
     ("embedding training", "llm/run_embedding.py", "paddletune has no embedding-training script",
