@@ -30,7 +30,7 @@ import paddle.nn as nn
 
 from .layers import HeadSlopes, NormHead, RMSNorm, RopeTables, attention, rope_cos_sin, rope_inv_freq, swiglu
 from .runner import CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 BAICHUAN2_VOCAB = 125696
 
@@ -55,10 +55,8 @@ class BaichuanConfig:
 
     @classmethod
     def from_dict(cls, d):
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "vocab_size"):
-            if key not in d:
-                raise ValueError(f"config.json (model_type baichuan) lacks '{key}'")
+        require_keys(d, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "vocab_size"), "model_type baichuan")
         H, N = d["hidden_size"], d["num_attention_heads"]
         if H % N:
             raise ValueError(f"config.json: hidden_size ({H}) must be a multiple of "

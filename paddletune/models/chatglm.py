@@ -36,7 +36,7 @@ import paddle.nn as nn
 
 from .layers import RopeTables, activation, attention, rope_cos_sin, rope_inv_freq
 from .runner import BlockContext, CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 
 def claims(d):
@@ -64,9 +64,7 @@ class ChatGLM6BConfig:
 
     @classmethod
     def from_dict(cls, d):
-        for key in ("hidden_size", "num_layers", "num_attention_heads", "vocab_size"):
-            if key not in d:
-                raise ValueError(f"config.json (ChatGLM-6B) lacks '{key}'")
+        require_keys(d, ("hidden_size", "num_layers", "num_attention_heads", "vocab_size"), "ChatGLM-6B")
         if not d.get("position_encoding_2d", True):
             raise ValueError("config.json: position_encoding_2d=false is not ChatGLM-6B's layout")
         if d.get("quantization_bit"):

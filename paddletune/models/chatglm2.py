@@ -30,7 +30,7 @@ import paddle.nn.functional as F
 
 from .layers import RMSNorm, attention, rope_inv_freq, swiglu
 from .runner import CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 # THUDM config keys whose other values describe architectures this file does not build.
 _FIXED = {"rmsnorm": True, "apply_residual_connection_post_layernorm": False,
@@ -68,10 +68,8 @@ class ChatGLM2Config:
             raise ValueError("config.json describes ChatGLM-6B (v1: 2-D positions, GeLU); only "
                              "ChatGLM2/ChatGLM3 checkpoints (padded_vocab_size, "
                              "multi_query_attention) are supported")
-        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
-            if key not in d:
-                raise ValueError(f"config.json (model_type chatglm) lacks '{key}'; is it a "
-                                 "ChatGLM2/3 config?")
+        require_keys(d, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"),
+                     "model_type chatglm", "; is it a ChatGLM2/3 config?")
         for key, want in _FIXED.items():
             if key in d and bool(d[key]) != want:
                 raise ValueError(f"config.json: '{key}: {d[key]}' is not supported (ChatGLM2/3 use "

@@ -24,7 +24,7 @@ import paddle.nn as nn
 
 from .layers import activation, attention, check_positions, dropout
 from .runner import CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 
 @dataclass
@@ -55,9 +55,7 @@ class GPT2Config:
         if d.get("add_cross_attention"):
             raise ValueError("config.json: add_cross_attention (GPT-2 as an encoder-decoder) is not "
                              "built; only the decoder-only GPT-2 layout is")
-        for key in ("n_embd", "n_layer", "n_head", "vocab_size"):
-            if key not in d:
-                raise ValueError(f"config.json (model_type gpt2) lacks '{key}'")
+        require_keys(d, ("n_embd", "n_layer", "n_head", "vocab_size"), "model_type gpt2")
         H, N = d["n_embd"], d["n_head"]
         if H % N:
             raise ValueError(f"config.json: n_embd ({H}) must be a multiple of n_head ({N})")

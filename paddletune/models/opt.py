@@ -26,7 +26,7 @@ import paddle.nn as nn
 
 from .layers import activation, attention, check_positions, dropout
 from .runner import CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 OFFSET = 2   # OPT's position table starts at row 2 (rows 0, 1 were fairseq's padding positions)
 
@@ -57,9 +57,8 @@ class OPTConfig:
 
     @classmethod
     def from_dict(cls, d):
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size"):
-            if key not in d:
-                raise ValueError(f"config.json (model_type opt) lacks '{key}'")
+        require_keys(d, ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size"),
+                     "model_type opt")
         H, N = d["hidden_size"], d["num_attention_heads"]
         if H % N:
             raise ValueError(f"config.json: hidden_size ({H}) must be a multiple of "

@@ -24,7 +24,7 @@ import paddle.nn as nn
 
 from .layers import RMSNorm, RopeTables, attention, rope_cos_sin, rope_inv_freq, swiglu
 from .runner import CausalLM
-from .spec import ModelSpec, register
+from .spec import ModelSpec, register, require_keys
 
 
 @dataclass
@@ -49,10 +49,8 @@ class QWenConfig:
 
     @classmethod
     def from_dict(cls, d):
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "vocab_size"):
-            if key not in d:
-                raise ValueError(f"config.json (model_type qwen) lacks '{key}'")
+        require_keys(d, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "vocab_size"), "model_type qwen")
         if float(d.get("rotary_pct", 1.0)) != 1.0:
             raise ValueError(f"config.json: rotary_pct={d['rotary_pct']} (partial rotary) is not "
                              "built; Qwen's checkpoints use 1.0")

@@ -74,6 +74,14 @@ class ModelSpec:
 _REGISTRY: Dict[str, ModelSpec] = {}
 
 
+def require_keys(d, keys, family, hint=""):
+    """config.json dict `d` must hold each of `keys`: the first missing one is a ValueError naming
+    the family (as the error shows it) and the key."""
+    for key in keys:
+        if key not in d:
+            raise ValueError(f"config.json ({family}) lacks '{key}'{hint}")
+
+
 def register(spec: ModelSpec):
     _REGISTRY[spec.model_type] = spec
     return spec
