@@ -155,18 +155,6 @@ class BaichuanForCausalLM(CausalLM):
         head = NormHead if cfg.norm_head else nn.Linear
         self.lm_head = head(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def decoder_layers(self):
-        return self.model.layers
-
-    def final_norm(self):
-        return self.model.norm
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
     def rope_tables(self, position_ids):
         if self.config.position_embedding == "alibi":
             return super().rope_tables(position_ids)
@@ -191,6 +179,8 @@ _TINY = {"model_type": "baichuan", "architectures": ["BaichuanForCausalLM"], "vo
          "tie_word_embeddings": False, "hidden_act": "silu"}
 
 SPEC = register(ModelSpec(
+    module_paths={"embeddings": "model.embed_tokens", "layers": "model.layers",
+                  "norm": "model.norm", "head": "lm_head"},
     attention_module="self_attn",
     model_type="baichuan", config_cls=BaichuanConfig, model_cls=BaichuanForCausalLM,
     architectures=("BaichuanForCausalLM",), not_linear=("model.embed_tokens.weight",),

@@ -154,18 +154,6 @@ class BloomForCausalLM(CausalLM):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
 
-    def get_input_embeddings(self):
-        return self.transformer.word_embeddings
-
-    def decoder_layers(self):
-        return self.transformer.h
-
-    def final_norm(self):
-        return self.transformer.ln_f
-
-    def get_output_embeddings(self):
-        return None if self.config.tie_word_embeddings else self.lm_head
-
     def finish_embedding(self, h, ctx):
         return self.transformer.word_embeddings_layernorm(h)
 
@@ -185,6 +173,8 @@ _TINY = {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "vocab_si
          "apply_residual_connection_post_layernorm": False}
 
 SPEC = register(ModelSpec(
+    module_paths={"embeddings": "transformer.word_embeddings", "layers": "transformer.h",
+                  "norm": "transformer.ln_f", "head": "lm_head"},
     attention_module="self_attention",
     model_type="bloom", config_cls=BloomConfig, model_cls=BloomForCausalLM,
     architectures=("BloomForCausalLM",), not_linear=("transformer.word_embeddings.weight",),

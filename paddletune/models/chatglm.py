@@ -218,18 +218,6 @@ class ChatGLMForConditionalGeneration(CausalLM):
         self.transformer = ChatGLM6BModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
 
-    def get_input_embeddings(self):
-        return self.transformer.word_embeddings
-
-    def decoder_layers(self):
-        return self.transformer.layers
-
-    def final_norm(self):
-        return self.transformer.final_layernorm
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
     def context(self, batch, seq, attention_mask=None, position_ids=None, cache=None,
                 segment_ids=None, dtype="float32", input_ids=None):
         if segment_ids is not None:
@@ -271,6 +259,8 @@ _TINY = {"model_type": "chatglm6b", "architectures": ["ChatGLMModel"], "vocab_si
          "pad_token_id": 0}
 
 SPEC = register(ModelSpec(
+    module_paths={"embeddings": "transformer.word_embeddings", "layers": "transformer.layers",
+                  "norm": "transformer.final_layernorm", "head": "lm_head"},
     attention_module="attention",
     model_type="chatglm6b", config_cls=ChatGLM6BConfig, model_cls=ChatGLMForConditionalGeneration,
     architectures=("ChatGLMModel",), not_linear=("transformer.word_embeddings.weight",),

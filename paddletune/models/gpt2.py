@@ -160,18 +160,6 @@ class GPT2LMHeadModel(CausalLM):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias_attr=False)
 
-    def get_input_embeddings(self):
-        return self.transformer.wte
-
-    def decoder_layers(self):
-        return self.transformer.h
-
-    def final_norm(self):
-        return self.transformer.ln_f
-
-    def get_output_embeddings(self):
-        return None if self.config.tie_word_embeddings else self.lm_head
-
     def finish_embedding(self, h, ctx):
         check_positions(ctx.positions, self.config.n_positions, "n_positions")
         h = h + self.transformer.wpe(ctx.positions).astype(h.dtype)
@@ -194,6 +182,8 @@ _TINY = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size
          "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
 
 SPEC = register(ModelSpec(
+    module_paths={"embeddings": "transformer.wte", "layers": "transformer.h",
+                  "norm": "transformer.ln_f", "head": "lm_head"},
     attention_module="attn",
     model_type="gpt2", config_cls=GPT2Config, model_cls=GPT2LMHeadModel,
     architectures=("GPT2LMHeadModel",),

@@ -149,18 +149,6 @@ class QWenLMHeadModel(CausalLM):
         self.transformer = QWenModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias_attr=False)
 
-    def get_input_embeddings(self):
-        return self.transformer.wte
-
-    def decoder_layers(self):
-        return self.transformer.h
-
-    def final_norm(self):
-        return self.transformer.ln_f
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
     def rope_tables(self, position_ids):
         cfg = self.config
         top = int(position_ids.max()) + 1 if position_ids.shape[-1] else 0
@@ -190,6 +178,8 @@ _TINY = {"model_type": "qwen", "architectures": ["QWenLMHeadModel"], "vocab_size
          "no_bias": True, "tie_word_embeddings": False}
 
 SPEC = register(ModelSpec(
+    module_paths={"embeddings": "transformer.wte", "layers": "transformer.h",
+                  "norm": "transformer.ln_f", "head": "lm_head"},
     attention_module="attn",
     model_type="qwen", config_cls=QWenConfig, model_cls=QWenLMHeadModel,
     architectures=("QWenLMHeadModel",), not_linear=("transformer.wte.weight",),

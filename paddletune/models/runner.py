@@ -89,17 +89,28 @@ class CausalLM(nn.Layer):
         self.cache_hook = None
 
     # ------------------------------------------------------------------ the parts a family defines
+    # (by default from ModelSpec.module_paths)
+    def _part(self, key):
+        paths = self.spec.module_paths
+        if not paths or key not in paths:
+            raise NotImplementedError(f"{type(self).__name__} names no '{key}' (ModelSpec.module_paths)")
+        out = self
+        for name in paths[key].split("."):
+            out = getattr(out, name)
+        return out
+
     def get_input_embeddings(self):
-        raise NotImplementedError
+        return self._part("embeddings")
 
     def decoder_layers(self):
-        raise NotImplementedError
+        return self._part("layers")
 
     def final_norm(self):
-        raise NotImplementedError
+        return self._part("norm")
 
     def get_output_embeddings(self):
-        raise NotImplementedError
+        """The LM head, or None when it is the input embedding (tied)."""
+        return None if getattr(self.config, "tie_word_embeddings", False) else self._part("head")
 
     def rope_tables(self, position_ids):
         return NoRotary()

@@ -49,6 +49,12 @@ class ModelSpec:
     conversion_fixups: Optional[Callable] = None
     # name of the attention sub-module of a decoder block (recompute_granularity full_attn)
     attention_module: Optional[str] = None
+    # dotted attribute paths of the parts the runner needs, when a family's model keeps them as
+    # plain attributes: {"embeddings", "layers", "norm", "head"}, e.g. GPT-2's
+    # {"embeddings": "transformer.wte", "layers": "transformer.h", "norm": "transformer.ln_f",
+    #  "head": "lm_head"}; the head is None while config.tie_word_embeddings is set. A family
+    # with other needs overrides CausalLM's accessors instead.
+    module_paths: Optional[Dict[str, str]] = None
     # regexes (full match) over HF tensor names of Linear weights the checkpoint already stores as
     # [in, out], paddle's layout (GPT-2's Conv1D c_attn / c_proj / c_fc): hf.py keeps their layout
     stored_in_out: Tuple[str, ...] = ()
