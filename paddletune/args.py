@@ -237,6 +237,7 @@ class TrainingArguments:
     tensor_parallel_degree: int = F(-1, "tensor-parallel ranks (-1 or 1 = off)")
     pipeline_parallel_degree: int = F(-1, "pipeline stages (-1 or 1 = off)")
     sharding_parallel_degree: int = F(-1, "sharding ranks (-1 = all data-parallel ranks when sharding is set)")
+    expert_parallel_degree: int = F(-1, "expert-parallel ranks for Mixture-of-Experts models (-1 or 1 = off): carved out of the data-parallel ranks; each holds num_experts / degree experts of every sparse layer")
     sharding: str = F("", "sharding stage: stage1, stage2 or stage3 (optionally several, space-separated)")
     sep_parallel_degree: int = F(-1, "sequence parallel", "refused", "sequence parallelism is not implemented")
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
