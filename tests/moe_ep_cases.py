@@ -40,7 +40,7 @@ def _expert_ids(model):
 
 
 def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, resume=None,
-               max_grad_norm=0.05, lr=1e-2):
+               max_grad_norm=0.05, lr=1e-2, global_router=True):
     import paddle
 
     from conftest import training_args
@@ -60,20 +60,28 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     targets = list(model.spec.lora_targets) + [r".*\.gate$"] if lora else None   # + the router
     setup = peft.apply(model, ModelArgument(model_name_or_path=ckpt, lora=lora, lora_rank=4,
                                             lora_target_modules=targets))
+    if not global_router:   # negative control: each rank's aux over its own tokens only
+        model.expert_parallel = None
     epg = getattr(model, "expert_parallel", None)
     if epg is not None:
         epg.log = []
-    held = []
+    held, tokens, targets, marks = [], [], [], []
+
+    def step_done(tr, info):
+        held.append([int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()])
+        tokens.append([int(mb["input_ids"].size) for mb in info["micro_batches"]])
+        targets.append(sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in info["micro_batches"]))
+        marks.append(len(epg.log) if epg is not None and epg.log is not None else 0)
     trainer = Trainer(model, args, train_dataset=copy_data(), eval_dataset=copy_data(6, 1),
                       trainable=setup.trainable, export_fn=setup.export_fn, topology=topo,
-                      callbacks=[lambda tr, info: held.append(
-                          [int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()])])
+                      callbacks=[step_done])
     trainer.train()
     metrics = trainer.evaluate()
     hist = trainer.state["log_history"]
-    comm = {}
-    for op, _, nbytes in (epg.log or []) if epg is not None else []:
+    comm, widths = {}, set()   # what the training steps communicated (not eval / export)
+    for op, shape, nbytes in (epg.log[:marks[-1]] if epg is not None and epg.log else []):
         comm[op] = comm.get(op, 0) + nbytes
+        widths.add(shape[-1])
     expert_numel = sum(int(paddle.numel(p)) for n, p in model.named_parameters() if ".experts." in n)
     trainable_expert = sum(int(paddle.numel(p)) for n, p in trainer.trainable.items() if ".experts." in n)
     return {"losses": [r["loss"] for r in hist if "loss" in r],
@@ -81,4 +89,5 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
             "aux": [r.get("aux_loss") for r in hist if "loss" in r], "eval_loss": metrics["loss"],
             "experts": _expert_ids(model), "expert_numel": expert_numel,
             "trainable_expert_numel": trainable_expert, "ids": held, "comm": comm,
+            "widths": sorted(widths), "tokens": tokens, "targets": targets,
             "rank": topo.rank, "ep_rank": epg.rank if epg is not None else 0}

@@ -238,9 +238,10 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         from ..parallel import expert
 
         # router statistics over the data ranks; under expert parallel this rank's experts only
-        # (the others' tensors are never read: `only` also silences the unused-tensor warning)
-        if expert.install(model, topology).degree > 1 and only is None:
-            only = lambda n: True  # noqa: E731
+        # are read (the others stay lazy: no memory)
+        ep = expert.install(model, topology)
+        if ep.degree > 1:
+            only = ep.reads
     if tp:   # this rank's slices only, as DTensors; the plan's executors installed
         from ..parallel import tensor as tensor_parallel
 

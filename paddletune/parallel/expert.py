@@ -143,6 +143,12 @@ class ExpertParallel:
         """Checkpoint writers: the first expert group (data ranks 0 .. ep-1)."""
         return self.topo.data_rank < self.degree
 
+    def reads(self, name):
+        """Whether this rank holds tensor `name`: every dense one, its own experts' only."""
+        if self.degree <= 1 or not is_expert_param(name):
+            return True
+        return self.expert_range[0] <= expert_id(name) < self.expert_range[1]
+
     def writes(self, name):
         """Whether this (writer) rank writes tensor `name`: dense ones on data rank 0 only."""
         return is_expert_param(name) or self.topo.data_rank == 0
@@ -213,7 +219,7 @@ def local_expert_sum(block, x, w, chosen):
     counts = np.bincount(ids[sel] - lo, minlength=hi - lo)
     tok = paddle.to_tensor((order // k).astype(np.int64))
     runs = paddle.split(paddle.gather(x, tok), [int(c) for c in counts if c > 0])
-    ys = [block.experts[str(lo + int(e))](r) for e, r in zip(np.flatnonzero(counts), runs)]
+    ys = [_expert(block, lo + int(e))(r) for e, r in zip(np.flatnonzero(counts), runs)]
     y = paddle.concat(ys) if len(ys) > 1 else ys[0]
     scale = paddle.gather(w.reshape([-1]), paddle.to_tensor(order.astype(np.int64)))
     y = (y * scale.astype(y.dtype).unsqueeze(-1)).astype(x.dtype)
@@ -284,7 +290,7 @@ def alltoall_dispatch(block, flat, w, idx):
     counts = np.bincount(src_expert, minlength=el)
     runs = paddle.split(paddle.gather(x_recv, paddle.to_tensor(perm.astype(np.int64))),
                         [int(c) for c in counts if c > 0]) if len(perm) else []
-    ys = [block.experts[str(lo + int(e))](r) for e, r in zip(np.flatnonzero(counts), runs)]
+    ys = [_expert(block, lo + int(e))(r) for e, r in zip(np.flatnonzero(counts), runs)]
     y = paddle.concat(ys) if len(ys) > 1 else (ys[0] if ys else x_recv * 0)
     y = paddle.scatter(paddle.zeros_like(x_recv), paddle.to_tensor(perm.astype(np.int64)), y) if len(perm) else y
     y_back = _AllToAll.apply(y, ep, recv, send)
@@ -302,22 +308,44 @@ def sparse_blocks(model):
 
 def install(model, topo):
     """Attach the data-parallel router statistics (every MoE model trained on >1 data rank) and,
-    at expert degree > 1, keep only this rank's experts (before any weight is read: the model is
-    lazy, the others never get memory) with the expert-parallel dispatch. Returns the
-    ExpertParallel object (model.expert_parallel)."""
+    at expert degree > 1, the expert-parallel dispatch. Returns the ExpertParallel object
+    (model.expert_parallel). The other ranks' experts stay lazy (never read: `ep.reads`, no
+    memory) until `finalize` drops them: PEFT in between wraps them as in one process, so its
+    random initial values (drawn in module order) are the one-process run's."""
     ep = ExpertParallel(topo)
     model.expert_parallel = ep
     if ep.degree <= 1:
         return ep
     check_experts(model.config, ep.degree)
+    el = model.config.moe["num_experts"] // ep.degree
+    ep.expert_range = (ep.rank * el, (ep.rank + 1) * el)
     for block in sparse_blocks(model):
-        el = block.num_experts // ep.degree
-        lo = ep.rank * el
-        block.experts = nn.LayerDict({str(e): block.experts[e] for e in range(lo, lo + el)})
-        block.expert_range = (lo, lo + el)
+        block.expert_range = ep.expert_range
         block.expert_parallel = ep
         block.dispatch = types.MethodType(allgather_dispatch, block)
     return ep
+
+
+def expert_id(name):
+    """The expert index in a routed expert's tensor name ("...experts.3.w1.weight" -> 3)."""
+    return int(name.split(".experts.", 1)[1].split(".", 1)[0])
+
+
+def finalize(model, ep, trainable):
+    """Keep only this rank's experts (a LayerDict keyed by the global expert id: parameter names
+    unchanged) and drop the others, with whatever PEFT put on them; returns the names of
+    `trainable` that remain. Called by the Trainer; idempotent."""
+    if ep.degree <= 1:
+        return list(trainable)
+    lo, hi = ep.expert_range
+    for block in sparse_blocks(model):
+        if not isinstance(block.experts, nn.LayerDict):
+            block.experts = nn.LayerDict({str(e): block.experts[e] for e in range(lo, hi)})
+    return [n for n in trainable if ep.reads(n)]
+
+
+def _expert(block, e):
+    return block.experts[str(e)] if isinstance(block.experts, nn.LayerDict) else block.experts[e]
 
 
 @contextlib.contextmanager

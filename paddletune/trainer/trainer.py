@@ -103,6 +103,10 @@ class Trainer:
         # Mixture-of-Experts on >1 data rank (parallel/expert.py): router statistics over the data
         # ranks; under expert parallel each rank holds its own experts
         self.ep = getattr(model, "expert_parallel", None)
+        if self.ep is not None:   # the other ranks' experts dropped (and PEFT's adapters on them)
+            from ..parallel.expert import finalize
+
+            self.trainable = {n: self.trainable[n] for n in finalize(model, self.ep, self.trainable)}
         if self.pp is not None and loss_fn is not None:
             raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
                              "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
@@ -525,10 +529,9 @@ class Trainer:
         correct = paddle.zeros([], "float32")
         extra = self._new_metrics()
         mine = batches[rank::world]
-        if self.ep is not None and self.ep.degree > 1 and mine:   # the dispatch is collective:
-            spare = -(-len(batches) // world) - len(mine)      # every rank runs as many forwards
-            for _ in range(spare):
-                self._eval_batch(self.collate([ds[i] for i in mine[0]]))
+        if self.ep is not None and self.ep.degree > 1 and batches:   # the dispatch is collective:
+            for _ in range(-(-len(batches) // world) - len(mine)):    # every rank runs as many
+                self._eval_batch(self.collate([ds[i] for i in batches[0]]))   # forwards (unused)
         for idx in mine:
             out = self._eval_batch(self.collate([ds[i] for i in idx]))
             if out is None:   # a pipeline stage before the last
