@@ -125,7 +125,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.smoke:
         a.hidden, a.layers, a.experts, a.batch, a.seq, a.steps = 64, 1, 4, 1, 16, 1
-    command = "python benchmarks/moe_dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python benchmarks/moe_dispatch.py"] + list(argv if argv is not None else sys.argv[1:]))
     tmp = tempfile.mkdtemp(prefix="moe_dispatch_")
     ckpt = os.path.join(tmp, "ckpt")
     write_checkpoint(ckpt, a)

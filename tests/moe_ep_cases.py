@@ -60,8 +60,6 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     targets = list(model.spec.lora_targets) + [r".*\.gate$"] if lora else None   # + the router
     setup = peft.apply(model, ModelArgument(model_name_or_path=ckpt, lora=lora, lora_rank=4,
                                             lora_target_modules=targets))
-    if not global_router:   # negative control: each rank's aux over its own tokens only
-        model.expert_parallel = None
     epg = getattr(model, "expert_parallel", None)
     if epg is not None:
         epg.log = []
@@ -75,6 +73,8 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     trainer = Trainer(model, args, train_dataset=copy_data(), eval_dataset=copy_data(6, 1),
                       trainable=setup.trainable, export_fn=setup.export_fn, topology=topo,
                       callbacks=[step_done])
+    if not global_router:   # negative control: each rank's aux over its own tokens only
+        model.expert_parallel = trainer.ep = None
     trainer.train()
     metrics = trainer.evaluate()
     hist = trainer.state["log_history"]

@@ -4,7 +4,7 @@ aux loss in the loss, target counts that differ per rank).
 
 Two launches: 2 processes (EP=2 with a checkpoint, DP=2, DP=2 with per-rank router statistics as
 the negative control, LoRA under EP=2) and 4 processes (DP2xEP2 on Qwen2-MoE; DP2xEP2 resuming
-the EP=2 checkpoint). The references run in this process (moe_ep_cases.train_case, world 1)."""
+the EP=2 checkpoint; EP=4, one expert per rank). The references run in this process (moe_ep_cases.train_case, world 1)."""
 import json
 import os
 import shutil
@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
     shutil.copytree(root / "ep2", root / "resume")   # the EP=2 run's checkpoint-2, resumed by DP2xEP2
     four = launch_cases([_case("dp2ep2_qwen", QWEN, root, ep=2, micro=2),
                          _case("resume", MIX, root, ep=2, micro=2,
-                               resume=str(root / "resume" / "checkpoint-2"))], root / "four", nproc=4)
+                               resume=str(root / "resume" / "checkpoint-2")),
+                         _case("ep4", MIX, root, ep=4, micro=2)], root / "four", nproc=4)
     return root, ref, {**two, **four}
 
 
@@ -90,11 +91,7 @@ def _check_comm(r, ranks, ep, H, k, sparse_layers):
     got = r["comm"]["all_gather"] + r["comm"]["all_reduce"]
     assert abs(got - want) < 1e-6 * want, (got, want)
     assert max(r["widths"]) == H + 2 * k
-    assert r["comm"]["router_all_reduce"] == 3 * 4 * (2 * num_experts(r) + 2)
-
-
-def num_experts(_):
-    return 4
+    assert r["comm"]["router_all_reduce"] == 3 * 4 * (2 * 4 + 2)   # 3 steps, [counts | probs | rows | n]
 
 
 def test_ep2_matches_one_process(runs):
@@ -130,6 +127,16 @@ def test_dp2_ep2_matches_one_process_on_four_ranks(runs):
     _check_matches(out["dp2ep2_qwen"], ref["qwen"])
     _check_split(out["dp2ep2_qwen"], ref["qwen"], 2)
     _same_weights(_weights(root / "dp2ep2_qwen"), _weights(root / "ref_qwen"))
+
+
+def test_ep4_one_expert_per_rank(runs):
+    """EP=4 on 4 processes (the expert group is the whole job): rank r holds expert r only."""
+    root, ref, out = runs
+    _check_matches(out["ep4"], ref["mix"])
+    _check_split(out["ep4"], ref["mix"], 4)
+    for r in out["ep4"]:
+        _check_comm(r, out["ep4"], 4, H=128, k=2, sparse_layers=4)
+    _same_weights(_weights(root / "ep4"), _weights(root / "ref_mix"))
 
 
 def test_lora_under_ep2(runs):

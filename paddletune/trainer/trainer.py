@@ -102,6 +102,11 @@ class Trainer:
         self.tp = getattr(model, "tensor_parallel", None)
         # Mixture-of-Experts on >1 data rank (parallel/expert.py): router statistics over the data
         # ranks; under expert parallel each rank holds its own experts
+        if (getattr(model.config, "moe", None) and self.topo.data_degree > 1
+                and getattr(model, "expert_parallel", None) is None):   # loaded without the topology
+            from ..parallel.expert import install
+
+            install(model, self.topo)
         self.ep = getattr(model, "expert_parallel", None)
         if self.ep is not None:   # the other ranks' experts dropped (and PEFT's adapters on them)
             from ..parallel.expert import finalize
