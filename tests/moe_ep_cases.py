@@ -40,7 +40,7 @@ def _expert_ids(model):
 
 
 def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, resume=None,
-               max_grad_norm=0.05, lr=1e-2, global_router=True):
+               max_grad_norm=0.05, lr=1e-2, global_router=True, alltoall=False):
     import paddle
 
     from conftest import training_args
@@ -63,6 +63,8 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     epg = getattr(model, "expert_parallel", None)
     if epg is not None:
         epg.log = []
+        # the NCCL all-to-all dispatch, through cpu_compat's all-gather emulation of alltoall_single
+        epg.use_alltoall = alltoall
     held, tokens, targets, marks = [], [], [], []
 
     def step_done(tr, info):

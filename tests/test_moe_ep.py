@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     two = launch_cases([_case("ep2", MIX, root, ep=2, micro=4, save_steps=2),
                         _case("dp2", MIX, root, ep=1, micro=4),
                         _case("dp2_local", MIX, root, ep=1, micro=4, global_router=False),
-                        _case("ep2_lora", MIX, root, ep=2, micro=4, lora=True)], root / "two", nproc=2)
+                        _case("ep2_lora", MIX, root, ep=2, micro=4, lora=True),
+                        _case("ep2_a2a", QWEN, root, ep=2, micro=4, alltoall=True)], root / "two", nproc=2)
     shutil.copytree(root / "ep2", root / "resume")   # the EP=2 run's checkpoint-2, resumed by DP2xEP2
     four = launch_cases([_case("dp2ep2_qwen", QWEN, root, ep=2, micro=2),
                          _case("resume", MIX, root, ep=2, micro=2,
@@ -127,6 +128,19 @@ def test_dp2_ep2_matches_one_process_on_four_ranks(runs):
     _check_matches(out["dp2ep2_qwen"], ref["qwen"])
     _check_split(out["dp2ep2_qwen"], ref["qwen"], 2)
     _same_weights(_weights(root / "dp2ep2_qwen"), _weights(root / "ref_qwen"))
+
+
+def test_alltoall_dispatch_logic_under_ep2(runs):
+    """The all-to-all dispatch written for NCCL (parallel/expert.py: alltoall_dispatch), run here
+    through cpu_compat's exact all-gather emulation of alltoall_single (Qwen2-MoE, EP=2): matches
+    one process; what it records is the all-to-all's traffic (rows leaving the rank only)."""
+    root, ref, out = runs
+    _check_matches(out["ep2_a2a"], ref["qwen"])
+    _check_split(out["ep2_a2a"], ref["qwen"], 2)
+    for r in out["ep2_a2a"]:
+        assert set(r["comm"]) >= {"alltoall", "router_all_reduce"} and "all_reduce" not in r["comm"]
+        assert max(r["widths"]) == 128   # hidden rows only
+    _same_weights(_weights(root / "ep2_a2a"), _weights(root / "ref_qwen"))
 
 
 def test_ep4_one_expert_per_rank(runs):

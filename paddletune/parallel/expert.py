@@ -20,7 +20,8 @@ Dispatch / combine of one sparse layer (x [T, H] this rank's tokens, w / idx [T,
   Bytes per layer and direction: all_gather ep*Tm*(H+2k)*4, all_reduce ep*Tm*H*4 (vs all-to-all's
   ~T*k*H*4*(ep-1)/ep sent): correct but not cost-representative; gloo has no all-to-all.
 - NCCL: all-to-all (alltoall_single) of the token rows to their experts' ranks and back; see
-  `alltoall_dispatch` (written for NCCL, NOT TESTED here: the dev machine has no GPU).
+  `alltoall_dispatch`. Its logic is tested on CPU through cpu_compat's exact all-gather emulation
+  of alltoall_single (tests/test_moe_ep.py); NCCL's own all-to-all has NOT been run here (no GPU).
 
 Router statistics (load-balancing loss): every data-parallel rank's micro-batch is part of one
 global micro-batch; the counts / prob sums / token counts are summed over all data ranks
@@ -86,6 +87,18 @@ class ExpertParallel:
         self._record("all_reduce", x, 2.0 * (self.degree - 1) / self.degree)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
+
+    def alltoall(self, x, send, recv):
+        """Rows of x [sum(send), ...] in blocks of send[d] rows to rank d; returns the
+        [sum(recv), ...] rows received, in source order. NCCL: paddle's alltoall_single; CPU: its
+        exact all-gather emulation (cpu_compat; recorded as the all-to-all it stands for)."""
+        from .cpu_compat import alltoall_single
+
+        mine = send[self.rank]
+        self._record("alltoall", x, (x.shape[0] - mine) / max(x.shape[0], 1))
+        out = paddle.empty([int(sum(recv))] + list(x.shape[1:]), x.dtype)
+        alltoall_single(out, x.contiguous() if hasattr(x, "contiguous") else x, send, recv, self.group)
+        return out
 
     def max_tokens(self, n):
         t = paddle.to_tensor([n], dtype="int64")
@@ -246,9 +259,10 @@ def allgather_dispatch(block, flat, w, idx):
 
 
 # ---------------------------------------------------------------------- NCCL all-to-all
-# Written for NCCL builds (paddle.distributed.alltoall_single); NOT TESTED: the dev machine is
-# CPU-only and gloo has no all-to-all. It is used only when ExpertParallel.use_alltoall (a CUDA
-# build running on GPU); every CPU run takes allgather_dispatch above.
+# Written for NCCL builds (paddle.distributed.alltoall_single). NCCL's kernel is UNTESTED here
+# (the dev machine is CPU-only, gloo has no all-to-all); the logic below runs in the tests on CPU
+# through cpu_compat.alltoall_single's exact emulation (ExpertParallel.use_alltoall forced on).
+# By default it is used only on a CUDA build running on GPU; CPU runs take allgather_dispatch.
 
 class _AllToAll(PyLayer):
     """Rows [sum(send), H] sent in blocks of `send` rows to each rank, `recv` rows received from
@@ -257,17 +271,11 @@ class _AllToAll(PyLayer):
     @staticmethod
     def forward(ctx, x, ep, send, recv):
         ctx.ep, ctx.send, ctx.recv = ep, send, recv
-        out = paddle.empty([int(sum(recv))] + list(x.shape[1:]), x.dtype)
-        ep._record("alltoall", x, 1.0)
-        dist.alltoall_single(out, x.contiguous() if hasattr(x, "contiguous") else x,
-                             in_split_sizes=send, out_split_sizes=recv, group=ep.group)
-        return out
+        return ep.alltoall(x, send, recv)
 
     @staticmethod
     def backward(ctx, dy):
-        out = paddle.empty([int(sum(ctx.send))] + list(dy.shape[1:]), dy.dtype)
-        dist.alltoall_single(out, dy, in_split_sizes=ctx.recv, out_split_sizes=ctx.send, group=ctx.ep.group)
-        return out
+        return ctx.ep.alltoall(dy, ctx.recv, ctx.send)
 
 
 def alltoall_dispatch(block, flat, w, idx):
