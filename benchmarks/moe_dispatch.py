@@ -14,7 +14,9 @@ global batch in one process, under DP=2 and under EP=2 (2 launched processes eac
        4 x assignments x H x 4 bytes x (share of assignments whose expert is on another rank)
    with that share (ep-1)/ep under uniform routing, and as measured from this run's routing.
    gloo has no all-to-all: the fallback all-gathers [x | w | idx] of the whole group and sums a
-   [group tokens, H] buffer, so it moves more (the ratio column);
+   [group tokens, H] buffer, so it moves more (the ratio column). The all-to-all path written for
+   NCCL runs too, through cpu_compat's all-gather emulation (its step time is the emulation's):
+   its recorded bytes are what the all-to-all itself sends (plus a [ep, E] count table);
 3. the median step time of each layout (a shared 2-core CPU, 1 thread per rank: indicative only).
 """
 import argparse
@@ -39,7 +41,7 @@ from paddletune.models.moe import SparseMoeBlock
 from paddletune.trainer import Trainer
 mode, ckpt, out = sys.argv[2:5]
 batch, seq, steps = map(int, sys.argv[5:8])
-ep = 2 if mode == "ep2" else 1
+ep = 2 if mode in ("ep2", "a2a") else 1
 args = TrainingArguments(output_dir=out, expert_parallel_degree=ep, per_device_train_batch_size=batch,
                          max_steps=steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
                          learning_rate=1e-4)
@@ -71,6 +73,7 @@ data = [{"input_ids": rng.integers(3, 500, seq), "labels": rng.integers(3, 500, 
 marks = []
 if epg is not None:
     epg.log = []
+    epg.use_alltoall = mode == "a2a"   # the NCCL path; on gloo through cpu_compat's emulation
 tr = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology=topo,
              callbacks=[lambda t, info: marks.append((len(epg.log) if epg is not None else 0, time.time()))])
 t0 = time.time()
@@ -132,7 +135,8 @@ def main(argv=None):
     worker = os.path.join(tmp, "worker.py")
     open(worker, "w").write(WORKER)
     res = {}
-    for mode, nproc, batch in (("one", 1, 2 * a.batch), ("dp2", 2, a.batch), ("ep2", 2, a.batch)):
+    for mode, nproc, batch in (("one", 1, 2 * a.batch), ("dp2", 2, a.batch), ("ep2", 2, a.batch),
+                               ("a2a", 2, a.batch)):
         launch(nproc, [worker, ROOT, mode, ckpt, tmp, str(batch), str(a.seq), str(a.steps)], tmp)
         res[mode] = [json.load(open(os.path.join(tmp, f"{mode}-{r}.json"))) for r in range(nproc)]
     print(table(res, a, command))
@@ -145,7 +149,6 @@ def table(res, a, command):
         for k, v in r["counts"].items():
             counts[k] = [x + y for x, y in zip(counts.get(k, [0] * a.experts), v)]
     uniform, routed = analytic(ep, 2, a.hidden, a.steps)
-    measured = sum(r["bytes"] for r in ep) / len(ep)
     out = [f"`{command}`", "",
            f"Mixtral, hidden {a.hidden}, {a.layers} layers, {a.experts} experts, top-{a.top_k}; global "
            f"batch {2 * a.batch} x {a.seq} tokens; {a.steps} steps (median step time of steps 2..)", "",
@@ -155,18 +158,21 @@ def table(res, a, command):
         out.append(f"| {k} | " + " | ".join(str(c) for c in counts[k]) + " |")
     out += ["", "| layout | step time (s) | dispatch bytes / step / rank | all-to-all analytic, uniform | "
             "all-to-all analytic, this routing | measured / analytic |", "|---|---|---|---|---|---|"]
-    for mode, name in (("one", "1 process"), ("dp2", "DP=2"), ("ep2", "EP=2 (gloo: all-gather fallback)")):
+    for mode, name in (("one", "1 process"), ("dp2", "DP=2"), ("ep2", "EP=2, gloo all-gather fallback"),
+                       ("a2a", "EP=2, all-to-all path (gloo: emulated; bytes = the all-to-all's)")):
         step = sum(r["step_s"] for r in res[mode]) / len(res[mode])
-        if mode == "ep2":
-            out.append(f"| {name} | {step:.3f} | {measured / 1e6:.2f} MB | {uniform / 1e6:.2f} MB | "
-                       f"{routed / 1e6:.2f} MB | {measured / max(routed, 1):.2f}x |")
+        if mode in ("ep2", "a2a"):
+            got = sum(r["bytes"] for r in res[mode]) / len(res[mode])
+            out.append(f"| {name} | {step:.3f} | {got / 1e6:.2f} MB | {uniform / 1e6:.2f} MB | "
+                       f"{routed / 1e6:.2f} MB | {got / max(routed, 1):.2f}x |")
         else:
             out.append(f"| {name} | {step:.3f} | - | - | - | - |")
     out.append("")
     out.append("The gloo fallback all-gathers every token of the group ([x | w | idx]) and all-reduces a "
                "[group tokens, H] buffer (and the adjoints in backward), so it moves more than an "
                "all-to-all would; on NCCL the all-to-all path (parallel/expert.py, untested here) "
-               "sends only the assignments whose expert is on another rank.")
+               "sends only the assignments whose expert is on another rank (its row: the bytes it records, "
+               "run here through the all-gather emulation).")
     return "\n".join(out)
 
 
