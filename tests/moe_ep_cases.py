@@ -93,3 +93,23 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
             "trainable_expert_numel": trainable_expert, "ids": held, "comm": comm,
             "widths": sorted(widths), "tokens": tokens, "targets": targets,
             "rank": topo.rank, "ep_rank": epg.rank if epg is not None else 0}
+
+
+def uneven_case(ckpt, out_dir):
+    """9 examples at a global batch of 8 under EP=2: step 2 gives rank 0 one example and rank 1
+    none. Every rank must raise the same clear error (no rank left in a collective)."""
+    from conftest import training_args
+    from paddletune import parallel
+    from paddletune.models import load_model
+    from paddletune.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                         expert_parallel_degree=2)
+    topo = parallel.init(args)
+    model = load_model(ckpt, topology=topo)
+    trainer = Trainer(model, args, train_dataset=copy_data(9), export_fn=lambda d: None, topology=topo)
+    try:
+        trainer.train()
+    except ValueError as e:
+        return {"error_message": str(e), "steps": trainer.state["global_step"]}
+    return {"error_message": None, "steps": trainer.state["global_step"]}

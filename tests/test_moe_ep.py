@@ -37,7 +37,9 @@ def runs(tmp_path_factory):
                         _case("dp2", MIX, root, ep=1, micro=4),
                         _case("dp2_local", MIX, root, ep=1, micro=4, global_router=False),
                         _case("ep2_lora", MIX, root, ep=2, micro=4, lora=True),
-                        _case("ep2_a2a", QWEN, root, ep=2, micro=4, alltoall=True)], root / "two", nproc=2)
+                        _case("ep2_a2a", QWEN, root, ep=2, micro=4, alltoall=True),
+                        ("uneven", "moe_ep_cases:uneven_case", dict(ckpt=MIX, out_dir=str(root / "uneven")))],
+                       root / "two", nproc=2)
     shutil.copytree(root / "ep2", root / "resume")   # the EP=2 run's checkpoint-2, resumed by DP2xEP2
     four = launch_cases([_case("dp2ep2_qwen", QWEN, root, ep=2, micro=2),
                          _case("resume", MIX, root, ep=2, micro=2,
@@ -173,6 +175,14 @@ def test_resume_ep2_checkpoint_under_dp2_ep2(runs):
     _same_weights(_weights(root / "resume"), _weights(root / "ref_mix"))
 
 
+def test_unequal_micro_batch_counts_fail_on_every_rank(runs):
+    """A last step that gives one rank no example: both ranks stop with the same error after
+    step 1 (the dispatch's collectives would otherwise wait for the rank that has no batch)."""
+    _, _, out = runs
+    for r in out["uneven"]:
+        assert r["steps"] == 1 and "different numbers of micro-batches" in r["error_message"]
+
+
 def test_refusals():
     """ep not dividing the experts or the data-parallel degree: one error naming both numbers."""
     from conftest import training_args
@@ -186,3 +196,16 @@ def test_refusals():
     args = training_args("/tmp/unused", expert_parallel_degree=4)
     with pytest.raises(TopologyError, match="expert_parallel_degree 4 does not divide the data-parallel degree 6"):
         expert_degree_from_args(args, {"dp": 6, "pp": 1, "sharding": 1, "tp": 1})
+
+
+def test_expert_groups_hand_worked():
+    """ep groups are consecutive data ranks, ep_data groups the ranks holding the same experts;
+    with tensor parallel inside (8 ranks as dp 4 x tp 2) they are carved from the data ranks."""
+    from paddletune.parallel.topology import group_ranks
+
+    d4 = {"dp": 4, "pp": 1, "sharding": 1, "tp": 1}
+    assert [group_ranks(r, d4, "ep", 2) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [group_ranks(r, d4, "ep_data", 2) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    d8 = {"dp": 4, "pp": 1, "sharding": 1, "tp": 2}   # rank = dp * 2 + tp
+    assert group_ranks(5, d8, "ep", 2) == [5, 7] and group_ranks(5, d8, "ep_data", 2) == [1, 5]
+    assert group_ranks(5, d8, "ep", 4) == [1, 3, 5, 7]

@@ -11,6 +11,11 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    job's store (the host: that rank's address from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when
    absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
    of one new_group call.
+2. all-to-all (`alltoall_single`): gloo has none ("ProcessGroupGLOO does not support alltoall");
+   on CPU builds an exact emulation by all_gather (every rank's rows and split sizes, each rank
+   keeps the blocks addressed to it), so the expert-parallel all-to-all dispatch written for
+   NCCL (parallel/expert.py) is tested here. It moves ep x the data: not for speed (CPU runs use
+   the all-gather dispatch by default). On CUDA builds it is paddle's alltoall_single.
 """
 import contextlib
 import os
