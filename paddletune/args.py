@@ -843,6 +843,10 @@ def _check_parallel(args, err, warn):
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
+    if args.expert_parallel_degree > 1 and args.recompute and args.recompute_granularity == "full":
+        from .parallel.expert import RECOMPUTE_REFUSAL
+
+        err("recompute_granularity", RECOMPUTE_REFUSAL.format(args.expert_parallel_degree))
     _check_sharding(args, err, warn)
 
 

@@ -40,7 +40,8 @@ def _expert_ids(model):
 
 
 def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, resume=None,
-               max_grad_norm=0.05, lr=1e-2, global_router=True, alltoall=False):
+               max_grad_norm=0.05, lr=1e-2, global_router=True, alltoall=False, recompute=False,
+               recompute_granularity="full"):
     import paddle
 
     from conftest import training_args
@@ -53,7 +54,8 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
                          max_steps=steps, logging_steps=1, learning_rate=lr, max_grad_norm=max_grad_norm,
                          expert_parallel_degree=ep, adam_epsilon=1e-4, seed=0,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                         resume_from_checkpoint=resume, per_device_eval_batch_size=4)
+                         resume_from_checkpoint=resume, per_device_eval_batch_size=4,
+                         recompute=recompute, recompute_granularity=recompute_granularity)
     topo = parallel.init(args)
     runtime.set_seed(0)
     model = load_model(ckpt, topology=topo)

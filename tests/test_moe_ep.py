@@ -44,7 +44,8 @@ def runs(tmp_path_factory):
     four = launch_cases([_case("dp2ep2_qwen", QWEN, root, ep=2, micro=2),
                          _case("resume", MIX, root, ep=2, micro=2,
                                resume=str(root / "resume" / "checkpoint-2")),
-                         _case("ep4", MIX, root, ep=4, micro=2)], root / "four", nproc=4)
+                         _case("ep4", MIX, root, ep=4, micro=2, recompute=True,
+                               recompute_granularity="full_attn")], root / "four", nproc=4)
     return root, ref, {**two, **four}
 
 
@@ -146,7 +147,8 @@ def test_alltoall_dispatch_logic_under_ep2(runs):
 
 
 def test_ep4_one_expert_per_rank(runs):
-    """EP=4 on 4 processes (the expert group is the whole job): rank r holds expert r only."""
+    """EP=4 on 4 processes (the expert group is the whole job), attention recomputed in backward
+    (full_attn): rank r holds expert r only; matches one process."""
     root, ref, out = runs
     _check_matches(out["ep4"], ref["mix"])
     _check_split(out["ep4"], ref["mix"], 4)
@@ -183,7 +185,7 @@ def test_unequal_micro_batch_counts_fail_on_every_rank(runs):
         assert r["steps"] == 1 and "different numbers of micro-batches" in r["error_message"]
 
 
-def test_refusals():
+def test_refusals(tmp_path):
     """ep not dividing the experts or the data-parallel degree: one error naming both numbers."""
     from conftest import training_args
     from paddletune.models import load_model
@@ -193,6 +195,20 @@ def test_refusals():
     topo = Topology(world_size=3, rank=0, degrees={"dp": 3, "pp": 1, "sharding": 1, "tp": 1}, ep_degree=3)
     with pytest.raises(ValueError, match=r"expert_parallel_degree \(3\) does not divide the number of experts \(4\)"):
         load_model(MIX, topology=topo)
+    with pytest.raises(ValueError, match="recompute_granularity full .* expert_parallel_degree 2"):
+        from paddletune.parallel.expert import ExpertParallel, finalize
+
+        ep = ExpertParallel(Topology())
+        ep.degree = 2
+        finalize(None, ep, {}, training_args("/tmp/unused", recompute=True))
+    from paddletune.args import ArgumentError, parse_args
+
+    path = os.path.join(str(tmp_path), "a.json")
+    json.dump({"model_name_or_path": MIX, "dataset_name_or_path": "paddletune/sample-sft",
+               "output_dir": str(tmp_path), "expert_parallel_degree": 2,
+               "recompute": True}, open(path, "w"))
+    with pytest.raises(ArgumentError, match="recompute_granularity.*full_attn"):
+        parse_args([path], warn=lambda m: None)
     args = training_args("/tmp/unused", expert_parallel_degree=4)
     with pytest.raises(TopologyError, match="expert_parallel_degree 4 does not divide the data-parallel degree 6"):
         expert_degree_from_args(args, {"dp": 6, "pp": 1, "sharding": 1, "tp": 1})

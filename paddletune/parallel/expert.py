@@ -339,12 +339,23 @@ def expert_id(name):
     return int(name.split(".experts.", 1)[1].split(".", 1)[0])
 
 
-def finalize(model, ep, trainable):
+# Whole decoder blocks recomputed in backward would run the dispatch's collectives again at a
+# moment the autograd engine picks per rank (the router's aux-loss branch reaches a block's saved
+# tensors before its hidden-state gradient does): ranks then meet in different collectives.
+RECOMPUTE_REFUSAL = ("full (whole decoder blocks) cannot be recomputed under expert_parallel_degree "
+                     "{}: the recomputed expert dispatch's collectives would run in a different "
+                     "order on different ranks; use recompute_granularity full_attn or core_attn "
+                     "(attention only), or recompute: false")
+
+
+def finalize(model, ep, trainable, args=None):
     """Keep only this rank's experts (a LayerDict keyed by the global expert id: parameter names
     unchanged) and drop the others, with whatever PEFT put on them; returns the names of
-    `trainable` that remain. Called by the Trainer; idempotent."""
+    `trainable` that remain. Called by the Trainer (`args`: its TrainingArguments); idempotent."""
     if ep.degree <= 1:
         return list(trainable)
+    if args is not None and args.recompute and args.recompute_granularity == "full":
+        raise ValueError("recompute_granularity " + RECOMPUTE_REFUSAL.format(ep.degree))
     lo, hi = ep.expert_range
     for block in sparse_blocks(model):
         if not isinstance(block.experts, nn.LayerDict):

@@ -111,7 +111,7 @@ class Trainer:
         if self.ep is not None:   # the other ranks' experts dropped (and PEFT's adapters on them)
             from ..parallel.expert import finalize
 
-            self.trainable = {n: self.trainable[n] for n in finalize(model, self.ep, self.trainable)}
+            self.trainable = {n: self.trainable[n] for n in finalize(model, self.ep, self.trainable, args)}
         if self.pp is not None and loss_fn is not None:
             raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
                              "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
