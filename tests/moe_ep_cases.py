@@ -47,7 +47,7 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     from conftest import training_args
     from paddletune import parallel, peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.models import hf, load_model
     from paddletune.trainer import Trainer
 
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
@@ -58,7 +58,13 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
                          recompute=recompute, recompute_granularity=recompute_granularity)
     topo = parallel.init(args)
     runtime.set_seed(0)
-    model = load_model(ckpt, topology=topo)
+    read = []   # every tensor name the load reads from the safetensors files
+    real = hf.read_slice
+    hf.read_slice = lambda reader, spec, name, *a, **k: read.append(name) or real(reader, spec, name, *a, **k)
+    try:
+        model = load_model(ckpt, topology=topo)
+    finally:
+        hf.read_slice = real
     targets = list(model.spec.lora_targets) + [r".*\.gate$"] if lora else None   # + the router
     setup = peft.apply(model, ModelArgument(model_name_or_path=ckpt, lora=lora, lora_rank=4,
                                             lora_target_modules=targets))
@@ -91,7 +97,9 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     return {"losses": [r["loss"] for r in hist if "loss" in r],
             "grad_norms": [r["grad_norm"] for r in hist if "grad_norm" in r],
             "aux": [r.get("aux_loss") for r in hist if "loss" in r], "eval_loss": metrics["loss"],
-            "experts": _expert_ids(model), "expert_numel": expert_numel,
+            "experts": _expert_ids(model), "read_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
+                                                                   for n in read if ".experts." in n}),
+            "read_count": len(read), "expert_numel": expert_numel,
             "trainable_expert_numel": trainable_expert, "ids": held, "comm": comm,
             "widths": sorted(widths), "tokens": tokens, "targets": targets,
             "rank": topo.rank, "ep_rank": epg.rank if epg is not None else 0}

@@ -66,6 +66,8 @@ def _check_matches(ranks, ref):
         np.testing.assert_allclose(r["losses"], ref["losses"], atol=TOL)
         np.testing.assert_allclose(r["grad_norms"], ref["grad_norms"], rtol=TOL)
         np.testing.assert_allclose(r["aux"], ref["aux"], atol=TOL)
+        # eval batches are whole on one rank each (their aux over the same tokens as one process)
+        assert abs(r["eval_loss"] - ref["eval_loss"]) < TOL
     assert all(g > 0.05 for g in ref["grad_norms"])   # max_grad_norm 0.05: clipping was active
     # disjoint data, together the one-process batch, with unequal target counts per rank
     for step in range(len(ref["ids"])):
@@ -78,6 +80,8 @@ def _check_split(ranks, ref, ep, num_experts=4):
     for r in ranks:
         el = num_experts // ep
         assert r["experts"] == list(range(r["ep_rank"] * el, (r["ep_rank"] + 1) * el))
+        assert r["read_experts"] == r["experts"]   # only its experts' tensors read from the files
+        assert r["read_count"] < ref["read_count"]
         assert r["expert_numel"] * ep == ref["expert_numel"]
         assert r["trainable_expert_numel"] * ep == ref["trainable_expert_numel"]
 
