@@ -26,7 +26,11 @@ Dispatch / combine of one sparse layer (x [T, H] this rank's tokens, w / idx [T,
 Router statistics (load-balancing loss): every data-parallel rank's micro-batch is part of one
 global micro-batch; the counts / prob sums / token counts are summed over all data ranks
 (`global_aux`), so aux is the one-process value of that micro-batch. See global_aux for the
-gradient scaling.
+gradient scaling. The global micro-batch m is the union of every data rank's micro-batch m: with
+gradient_accumulation_steps 1 that is the one-process batch; with more, a one-process run groups
+the step's examples into micro-batches differently (BatchPlan: each rank's share is contiguous),
+so its aux (a per-micro-batch quantity) differs slightly. Evaluation keeps per-batch statistics
+(each eval batch is whole on one rank, as in one process).
 """
 import contextlib
 import copy
@@ -372,7 +376,9 @@ def full_experts(model, ep, build=True):
     """Every expert of every sparse block on this rank for the duration (export): each local
     expert's tensors are all-gathered over the expert group (a collective per tensor, every rank
     takes part); the ranks with `build` put the others' experts in (copies of a local expert's
-    module, LoRA included, with the gathered values), in expert order; restored on exit."""
+    module, LoRA included, with the gathered values), in expert order; restored on exit.
+    Parameters only: buffers (a quantized base weight) of the copies are the local expert's, so
+    with a quantized backbone only the adapters of the result are the other experts'."""
     saved = []
     for block in sparse_blocks(model):
         lo, hi = block.expert_range
