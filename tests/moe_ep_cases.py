@@ -39,7 +39,7 @@ def _expert_ids(model):
     return sorted(ids)
 
 
-def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, resume=None,
+def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_steps=0, resume=None,
                max_grad_norm=0.05, lr=1e-2, global_router=True, alltoall=False, recompute=False,
                recompute_granularity="full"):
     import paddle
@@ -50,7 +50,7 @@ def train_case(ckpt, out_dir, ep=1, micro=4, steps=3, lora=False, save_steps=0, 
     from paddletune.models import hf, load_model
     from paddletune.trainer import Trainer
 
-    args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
+    args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                          max_steps=steps, logging_steps=1, learning_rate=lr, max_grad_norm=max_grad_norm,
                          expert_parallel_degree=ep, adam_epsilon=1e-4, seed=0,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,

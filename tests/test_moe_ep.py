@@ -3,7 +3,8 @@ the one-process run with the same global batch (8 examples a step, 3 AdamW steps
 aux loss in the loss, target counts that differ per rank).
 
 Two launches: 2 processes (EP=2 with a checkpoint, DP=2, DP=2 with per-rank router statistics as
-the negative control, LoRA under EP=2) and 4 processes (DP2xEP2 on Qwen2-MoE; DP2xEP2 resuming
+the negative control, LoRA under EP=2, the all-to-all dispatch, EP=2 vs DP=2 with gradient
+accumulation, unequal micro-batch counts) and 4 processes (DP2xEP2 on Qwen2-MoE; DP2xEP2 resuming
 the EP=2 checkpoint; EP=4, one expert per rank). The references run in this process (moe_ep_cases.train_case, world 1)."""
 import json
 import os
@@ -38,6 +39,8 @@ def runs(tmp_path_factory):
                         _case("dp2_local", MIX, root, ep=1, micro=4, global_router=False),
                         _case("ep2_lora", MIX, root, ep=2, micro=4, lora=True),
                         _case("ep2_a2a", QWEN, root, ep=2, micro=4, alltoall=True),
+                        _case("ep2_acc2", MIX, root, ep=2, micro=2, accum=2),
+                        _case("dp2_acc2", MIX, root, ep=1, micro=2, accum=2),
                         ("uneven", "moe_ep_cases:uneven_case", dict(ckpt=MIX, out_dir=str(root / "uneven")))],
                        root / "two", nproc=2)
     shutil.copytree(root / "ep2", root / "resume")   # the EP=2 run's checkpoint-2, resumed by DP2xEP2
@@ -126,6 +129,18 @@ def test_dp2_moe_matches_one_process_and_needs_global_router_stats(runs):
     _check_matches(out["dp2"], ref["mix"])
     local = out["dp2_local"][0]["losses"]
     assert max(abs(a - b) for a, b in zip(local, ref["mix"]["losses"])) > 5 * TOL   # (measured 9e-4)
+
+
+def test_ep2_with_accumulation_matches_dp2(runs):
+    """2 micro-batches per step (each rank's micro-batch m together forms global micro-batch m,
+    whose aux is one number: parallel/expert.py): EP=2 equals DP=2, which holds every expert."""
+    root, _, out = runs
+    ep, dp = out["ep2_acc2"], out["dp2_acc2"]
+    for r in ep:
+        np.testing.assert_allclose(r["losses"], dp[0]["losses"], atol=TOL)
+        np.testing.assert_allclose(r["grad_norms"], dp[0]["grad_norms"], rtol=TOL)
+        assert len(r["tokens"][0]) == 2
+    _same_weights(_weights(root / "ep2_acc2"), _weights(root / "dp2_acc2"))
 
 
 def test_dp2_ep2_matches_one_process_on_four_ranks(runs):
