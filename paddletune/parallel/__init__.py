@@ -7,8 +7,9 @@
 process groups, collectives along an axis); nothing about the layout is kept in module state.
 Data parallel is built: every rank holds the whole model, reads a disjoint share of each global
 batch, and gradients are summed over the data-parallel group (gloo on CPU, NCCL on GPU).
-Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules, but values above 1
-are refused by the arguments until those layouts are built.
+Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules (their layouts:
+tensor.py, pipeline.py, sharding.py). expert_parallel_degree carves expert groups out of the data
+ranks (topology.py "ep" / "ep_data" groups; the MoE layout itself: expert.py).
 """
 import os
 
