@@ -51,7 +51,7 @@ def report_targets(report_to):
     """The integrations named by report_to (None, a string or a list of strings), in order,
     without repeats. Raises ValueError naming an unknown one; "all" keeps the installed ones."""
     names = []
-    for item in report_to or []:
+    for item in [report_to] if isinstance(report_to, str) else report_to or []:
         names += [n.strip().lower() for n in str(item).split(",") if n.strip()]
     out = []
     for n in names:

@@ -3,6 +3,7 @@ steps, the per-step phase breakdown (data, forward, backward, communication, opt
 up to the step's wall time, communication > 0 only with collectives (2 data-parallel ranks), and
 nothing changed on the default path."""
 import glob
+import importlib.util
 import json
 import os
 
@@ -89,12 +90,17 @@ def test_two_ranks_spend_time_in_communication(tmp_path):
     keys = dict(output_dir=out, max_steps=3, src_length=64, max_length=128, per_device_train_batch_size=1,
                 logging_steps=1, disable_tqdm=True, evaluation_strategy="no", do_eval=False,
                 load_best_model_at_end=False, save_strategy="no", skip_profile_timer=False)
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    if tensorboard:   # the curves under a launch: written by rank 0 only
+        keys["report_to"] = "tensorboard"
     r = launch([os.path.join(ROOT, "llm", "finetune_generation.py"), ARGFILE] +
                [f"--{k}={v}" for k, v in keys.items()], nproc=2, log_dir=tmp_path / "logs")
     assert r.returncode == 0, [open(p).read()[-2000:] for p in (tmp_path / "logs").glob("workerlog*")]
     recs = breakdown(out)   # rank 0's
     check_phases(recs, 3)
     assert all(r["communication_ms"] > 0 for r in recs), recs
+    if tensorboard:
+        assert len(glob.glob(os.path.join(out, "runs", "*", "events.out.tfevents.*"))) == 1
 
 
 @pytest.mark.parametrize("over,key", [(dict(profiler_steps="5"), "profiler_steps"),

@@ -14,7 +14,8 @@ phase holds its kernels):
                  pipeline parallel the 1F1B schedule's forward, backward and sends are all here)
   communication  the data-parallel collectives: token counts, the gradient all-reduce (buckets
                  flattened, summed, split), loss sums; sharding's reduce/broadcast of owned
-                 tensors; pipeline stages' sums of shared tensors. 0 on one process
+                 tensors; pipeline stages' sums of shared tensors. 0 on one process. Tensor-
+                 parallel collectives inside the model's layers stay in forward / backward
   optimizer      the rest of Trainer.training_step: gradient norm, clipping, AdamW, clearing
 step_ms is the step's wall time from the first read of its data to the end of training_step, so
 the phases add up to it but for the loop's bookkeeping between them (microseconds). Timing is by
@@ -183,12 +184,12 @@ class Profiling:
             self._log(self.window)
             self.window = []
 
-    def _log(self, recs):
+    def _log(self, recs, report=True):
         mean = {k: sum(r[k] for r in recs) / len(recs) for k in recs[0] if k != "step"}
         parts = " + ".join(f"{p} {mean[p + '_ms']:.2f}" for p in PHASES)
         logger.info("profile step %d (mean of %d): %.2f ms = %s", recs[-1]["step"], len(recs),
                     mean["step_ms"], parts)
-        if getattr(self.trainer, "reporter", None) is not None:
+        if report and getattr(self.trainer, "reporter", None) is not None:
             self.trainer.reporter.add(recs[-1]["step"], {f"profile/{k}": v for k, v in mean.items()})
 
     def stop(self):
@@ -207,8 +208,8 @@ class Profiling:
         if self.out is not None:
             self.out.close()
             self.out = None
-            if self.records:
-                self._log(self.records)
+            if self.records:   # the whole run's mean (the curves have the intervals')
+                self._log(self.records, report=False)
 
 
 def attach(trainer, source, total):
