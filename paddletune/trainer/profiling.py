@@ -124,7 +124,7 @@ class Profiling:
         self.trainer, self.plan, self.total = trainer, plan, total
         self.timer = PhaseTimer(_device_sync())
         self.patched, self.window, self.records = [], [], []
-        self.prof, self.out = None, None
+        self.prof, self.out, self.logged = None, None, 0
         start = trainer.state["global_step"]
         if plan.traces and plan.start >= total - start:
             logger.warning("profiler: the window starts at step %d of this run, which has %d steps "
@@ -181,14 +181,16 @@ class Profiling:
         a = trainer.args
         if info["step"] % a.logging_steps == 0 or info["step"] >= self.total or (
                 a.logging_first_step and info["step"] == 1):
-            self._log(self.window)
+            self._log(self.window, f"profile step {info['step']}")
             self.window = []
+            self.logged += 1
 
-    def _log(self, recs, report=True):
+    def _log(self, recs, what, report=True):
+        """One line: the mean step time of `recs` and its phases; the means to report_to's
+        writers as profile/<phase>_ms at the last step of `recs`."""
         mean = {k: sum(r[k] for r in recs) / len(recs) for k in recs[0] if k != "step"}
         parts = " + ".join(f"{p} {mean[p + '_ms']:.2f}" for p in PHASES)
-        logger.info("profile step %d (mean of %d): %.2f ms = %s", recs[-1]["step"], len(recs),
-                    mean["step_ms"], parts)
+        logger.info("%s (mean of %d steps): %.2f ms = %s", what, len(recs), mean["step_ms"], parts)
         if report and getattr(self.trainer, "reporter", None) is not None:
             self.trainer.reporter.add(recs[-1]["step"], {f"profile/{k}": v for k, v in mean.items()})
 
@@ -208,8 +210,8 @@ class Profiling:
         if self.out is not None:
             self.out.close()
             self.out = None
-            if self.records:   # the whole run's mean (the curves have the intervals')
-                self._log(self.records, report=False)
+            if self.logged > 1:   # the whole run's mean (the curves have the intervals')
+                self._log(self.records, "profile of the run", report=False)
 
 
 def attach(trainer, source, total):
