@@ -164,7 +164,7 @@ def test_missing_library_is_one_error_line(tmp_path, monkeypatch, capsys, name, 
     assert not os.path.exists(out)   # before any work or write
 
 
-def test_report_to_values(tmp_path, capsys):
+def test_report_to_values(tmp_path):
     from paddletune import observe
     from paddletune.args import ArgumentError, build
 

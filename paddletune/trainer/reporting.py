@@ -7,9 +7,11 @@ per integration of report_to (paddletune/observe.py), in logging_dir:
                 (read by `tensorboard --logdir DIR`, EventAccumulator); no TensorFlow, no torch
 Tags follow PaddleNLP's (and Hugging Face's) rewrite of the record keys: eval_<m> -> eval/<m>,
 every other number -> train/<key> (train/loss, train/lr, train/grad_norm, train/tokens_per_sec,
-train/epoch, ...); "step" is the global step of the event. logging_dir defaults to
-output_dir/runs/<Mon DD_HH-MM-SS>_<host>, as PaddleNLP's does (one directory per run: a resumed run
-gets a new one starting at its first new step). Each record is flushed when written.
+train/epoch, ...); "step" is the global step of the event. With a profiling key on, each logging
+interval's mean phase times go there too as profile/<phase>_ms (trainer/profiling.py).
+logging_dir defaults to output_dir/runs/<Mon DD_HH-MM-SS>_<host>, as PaddleNLP's does (one
+directory per run: a resumed run gets a new one starting at its first new step). Each record is
+flushed when written.
 At the end of training the curves of output_dir/train_log.jsonl go to output_dir/
 training_curves.png (+ .json, the plotted series; paddletune/curves.py) when matplotlib imports,
 else one info line says how to get them. A record logged after that (the scripts' final eval)
