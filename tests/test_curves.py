@@ -43,8 +43,20 @@ def expected_scalars(records):
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def draw_png():
+    """conftest.py turns the end-of-training PNG off for the rest of the suite; on here."""
+    old = os.environ.get("PADDLETUNE_PLOT")
+    os.environ["PADDLETUNE_PLOT"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("PADDLETUNE_PLOT")
+    else:
+        os.environ["PADDLETUNE_PLOT"] = old
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, draw_png):
     pytest.importorskip("visualdl")
     pytest.importorskip("tensorboard")
     out = str(tmp_path_factory.mktemp("curves") / "out")
