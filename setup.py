@@ -22,8 +22,13 @@ setup(
         # paddle comes from exactly one of these; both cannot be required at once.
         "cpu": ["paddlepaddle==3.3.1"],
         "gpu": ["paddlepaddle-gpu==3.3.1"],
-        # test oracles only: never imported by the library
+        # report_to / the PNG of the curves (paddletune/trainer/reporting.py, tools/plot_curves.py);
+        # with paddlepaddle 3.3.1's protobuf (7.x): visualdl 2.5.3, tensorboard 2.21, matplotlib 3.11
+        "visualdl": ["visualdl>=2.5.3"],
+        "tensorboard": ["tensorboard>=2.21"],
+        "plot": ["matplotlib>=3.7"],
+        # test oracles only: never imported by the library (the three extras above: their tests)
         "test": ["pytest", "torch==2.13.0", "transformers", "peft", "trl", "psutil", "sacrebleu",
-                 "rouge-score", "tiktoken"],
+                 "rouge-score", "tiktoken", "visualdl>=2.5.3", "tensorboard>=2.21", "matplotlib>=3.7"],
     },
 )

@@ -210,8 +210,8 @@ class TrainingArguments:
     min_lr: float = F(0.0, "final learning rate of the linear/cosine decay")
     logging_steps: int = F(500, "log every N optimizer steps")
     logging_first_step: bool = F(False, "also log the first step")
-    logging_dir: Optional[str] = F(None, "VisualDL/TensorBoard log dir", "no_effect", "logs go to stdout and output_dir/train_log.jsonl")
-    report_to: Optional[str] = F(None, "logging integrations", "no_effect", "logs go to stdout and output_dir/train_log.jsonl")
+    logging_dir: Optional[str] = F(None, "where report_to writes its event files (VisualDL, TensorBoard); default output_dir/runs/<Mon DD_HH-MM-SS>_<host> (PaddleNLP's)")
+    report_to: Optional[List[str]] = F(None, "curves (train/loss, train/lr, train/grad_norm, train/tokens_per_sec, eval/...) to logging_dir: visualdl, tensorboard, all (those installed) or none; a comma list or a JSON list. Unset: none (PaddleNLP's default is visualdl; here the libraries are extras: pip install -e '.[visualdl]' / '.[tensorboard]')")
     save_strategy: str = F("steps", "when to write checkpoint-N: no, steps, epoch", choices=["no", "steps", "epoch"])
     save_steps: int = F(500, "write a checkpoint every N steps (save_strategy=steps)")
     save_total_limit: Optional[int] = F(None, "keep at most N checkpoints (the best one is kept too)")
@@ -263,7 +263,10 @@ class TrainingArguments:
     amp_custom_white_list: Optional[str] = F(None, "ops forced to low precision under AMP (GPU)", "no_effect", "no AMP on CPU")
     recompute_use_reentrant: bool = F(False, "reentrant recompute (PaddleNLP)", "no_effect", "recompute has one implementation here")
     distributed_dataloader: bool = F(False, "read data on one rank and broadcast", "no_effect", "every data-parallel rank reads its own share")
-    skip_profile_timer: bool = F(True, "PaddleNLP step timers", "no_effect", "step times are logged as tokens per second")
+    skip_profile_timer: bool = F(True, "false: time each optimizer step's phases (data, forward, backward, communication, optimizer) as PaddleNLP's timers do: logged every logging_steps, every step in output_dir/profile_breakdown.jsonl")
+    profiler: bool = F(False, "trace the steps of profiler_steps with paddle.profiler (chrome traces in output_dir/profiler/, CPU and GPU) and time each step's phases (as skip_profile_timer: false)")
+    profiler_steps: str = F("2,4", "the window of profiler: START,END traces steps START..END-1, counting this run's steps from 0 (2,4: the 3rd and 4th)")
+    profiler_options: Optional[str] = F(None, "PaddleNLP's profiler string, e.g. 'batch_range=[10,20];profile_path=./profiler_log': traces steps 10..19 (from 0) into profile_path (default output_dir/profiler) and times each step's phases; timer_only=true: the phase times only")
     max_evaluate_steps: int = F(-1, "cap the number of eval batches (-1 = all)")
 
 
@@ -708,6 +711,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_pipeline_config(args, warn)
     _check_generation(data_args, gen_args, args, err, warn)
     _check_data(model_args, data_args, args, err, warn)
+    _check_observe(args, err, warn)
 
 
 def _check_numbers(objs, err):
@@ -925,3 +929,33 @@ def _check_data(model_args, data_args, args, err, warn):
         err(key, "cannot be used with prefix_tuning: the examples packed into one row would share "
             "one prefix ambiguously (their positions no longer start right after it); set "
             f"{key}: false")
+
+
+def _check_observe(args, err, warn):
+    """report_to names known integrations whose libraries import (else the pip command); the
+    profiler keys parse (paddletune/observe.py). Checked before any work."""
+    from . import observe
+
+    try:
+        targets = observe.report_targets(args.report_to)
+    except ValueError as e:
+        err("report_to", str(e))
+    if args.report_to and any(n.strip().lower() == "all" for x in args.report_to for n in x.split(",")) \
+            and not targets:
+        warn("'report_to: all' found neither visualdl nor tensorboard installed: no event files are "
+             "written (pip install -e '.[visualdl]')")
+    try:
+        observe.check_libraries(targets)
+    except ValueError as e:
+        err("report_to", str(e))
+    try:
+        observe.parse_window(args.profiler_steps)
+    except ValueError as e:
+        err("profiler_steps", str(e))
+    try:
+        observe.profile_plan(args)
+    except ValueError as e:
+        err("profiler_options", str(e))
+    if args.profiler_options and observe.parse_profiler_options(args.profiler_options).get("exit_on_finished"):
+        warn("'profiler_options: exit_on_finished=true' has no effect here: training continues to "
+             "the end after the traced steps")

@@ -17,6 +17,8 @@ if ROOT not in sys.path:  # the checkout under test wins over any installed copy
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PADDLETUNE_HOME", os.path.join(ROOT, ".pytest_cache", "paddletune_home"))
 # pytest's temp dirs per checkout: concurrent sessions elsewhere (other worktrees) cannot prune ours
+# the end-of-training PNG costs ~0.5 s per run: drawn only in the tests that check it (test_curves.py)
+os.environ.setdefault("PADDLETUNE_PLOT", "0")
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", os.path.join(ROOT, ".pytest_cache", "tmp"))
 os.makedirs(os.environ["PYTEST_DEBUG_TEMPROOT"], exist_ok=True)
 

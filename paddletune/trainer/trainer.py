@@ -29,6 +29,7 @@ from ..runtime import amp_settings
 from ..models import check_finite
 from ..models.loss import lm_loss_for
 from . import checkpoint as ckpt
+from . import profiling, reporting
 from .optim import AdamW, lr_at
 
 logger = logging.getLogger("paddletune")
@@ -149,6 +150,7 @@ class Trainer:
         self._last_norm, self._last_lr = None, 0.0
         self._weights_at = None     # the step whose weights the model holds (None: not trained here)
         self.generation = generation   # GenerationConfig of predict() (default: greedy, 64 tokens)
+        self.reporter = None   # report_to's event files and the PNG (trainer/reporting.py), from train()
         self.model.recompute = bool(args.recompute)
         self.model.recompute_granularity = args.recompute_granularity
 
@@ -363,6 +365,7 @@ class Trainer:
         try:
             return self._train()
         finally:
+            profiling.detach(self)   # (done already unless training raised)
             if lock is not None:
                 outdir.release(lock)
 
@@ -374,6 +377,7 @@ class Trainer:
         if a.resume_from_checkpoint:
             self._log_resume(self._resume(a.resume_from_checkpoint), total, source.steps_per_epoch)
         self._log_start(total)
+        self.reporter = reporting.Reporter.for_trainer(self)   # rank 0: report_to, the PNG at the end
         if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
             ckpt.warn_space(a.output_dir, (total - self.state["global_step"]) // a.save_steps,
                             a.save_total_limit, sum(int(np.prod(p.shape)) for p in self.trainable.values()))
@@ -384,6 +388,7 @@ class Trainer:
                     "t0": time.time(), "norm": None}
         epoch, start = st["epoch"], st["step_in_epoch"]
         self._metric_acc = self._new_metrics()
+        source = profiling.attach(self, source, total)   # as is unless a profiling key is on
         while st["global_step"] < total:
             for s, micro in source.iterate(epoch, start):
                 lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
@@ -411,9 +416,12 @@ class Trainer:
             epoch, start = st["epoch"], st["step_in_epoch"]
         if bar is not None:
             bar.close()
+        profiling.detach(self)
         if self.shard is not None:   # stage 3: the whole model again, for export and the caller
             self.shard.gather(self.trainable)
         self._finish()
+        if self.reporter is not None:
+            self.reporter.end_of_training()
         return self.state
 
     def _maybe_log_eval_save(self, info, interval, epoch_done, total):
@@ -456,6 +464,8 @@ class Trainer:
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "train_log.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
+        if self.reporter is not None:
+            self.reporter.write(rec)
 
     def _progress(self, total):
         if self.args.disable_tqdm or not self.main:
