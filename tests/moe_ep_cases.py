@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import paddletune  # noqa: E402,F401
+import paddletune  # noqa: E402,F401  (CPU threads before paddle)
 
 
 def copy_data(n=16, seed=0, vocab=500):
