@@ -237,6 +237,7 @@ class TrainingArguments:
     tensor_parallel_degree: int = F(-1, "tensor-parallel ranks (-1 or 1 = off)")
     pipeline_parallel_degree: int = F(-1, "pipeline stages (-1 or 1 = off)")
     sharding_parallel_degree: int = F(-1, "sharding ranks (-1 = all data-parallel ranks when sharding is set)")
+    expert_parallel_degree: int = F(-1, "expert-parallel ranks for Mixture-of-Experts models (-1 or 1 = off): carved out of the data-parallel ranks; each holds num_experts / degree experts of every sparse layer")
     sharding: str = F("", "sharding stage: stage1, stage2 or stage3 (optionally several, space-separated)")
     sep_parallel_degree: int = F(-1, "sequence parallel", "refused", "sequence parallelism is not implemented")
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
@@ -846,6 +847,10 @@ def _check_parallel(args, err, warn):
     for key, where in PARALLEL_NOT_YET.items():
         if getattr(args, key) > 1:
             err(key, f"= {getattr(args, key)} is not available yet ({where}); set it to 1")
+    if args.expert_parallel_degree > 1 and args.recompute and args.recompute_granularity == "full":
+        from .parallel.expert import RECOMPUTE_REFUSAL
+
+        err("recompute_granularity", RECOMPUTE_REFUSAL.format(args.expert_parallel_degree))
     _check_sharding(args, err, warn)
 
 

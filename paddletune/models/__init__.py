@@ -211,6 +211,10 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         raise ValueError(f"{path}: a Mixture-of-Experts model ({cfg.model_type}) has no pipeline-"
                          "parallel form yet (the router's load-balancing loss spans every stage): "
                          "set pipeline_parallel_degree to 1")
+    if topology is not None and topology.ep_degree > 1:
+        from ..parallel.expert import check_experts
+
+        check_experts(cfg, topology.ep_degree)
     tp = topology is not None and topology.tp_degree > 1
     if tp:
         from ..parallel.plan import check_layout
@@ -230,6 +234,14 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
     if pp:
         only = owned(model, topology.pp_rank, topology.pp_degree)
+    if getattr(cfg, "moe", None) and topology is not None and topology.data_degree > 1:
+        from ..parallel import expert
+
+        # router statistics over the data ranks; under expert parallel this rank's experts only
+        # are read (the others stay lazy: no memory)
+        ep = expert.install(model, topology)
+        if ep.degree > 1:
+            only = ep.reads
     if tp:   # this rank's slices only, as DTensors; the plan's executors installed
         from ..parallel import tensor as tensor_parallel
 

@@ -135,8 +135,13 @@ def with_router_loss(model, loss, router_logits, token_mask=None):
         return loss
     from .moe import load_balancing_loss
 
-    aux = load_balancing_loss(router_logits, moe["num_experts"], moe["top_k"], token_mask)
-    loss.loss_sum = loss.loss_sum + (moe["aux_coef"] * aux) * loss.num_tokens
+    comm = getattr(model, "expert_parallel", None) if model.training else None
+    if comm is None:
+        aux = load_balancing_loss(router_logits, moe["num_experts"], moe["top_k"], token_mask)
+        loss.loss_sum = loss.loss_sum + (moe["aux_coef"] * aux) * loss.num_tokens
+    else:   # data parallel: aux over the global micro-batch (parallel/expert.py: global_aux)
+        aux, term = comm.global_aux(router_logits, moe, token_mask, loss.num_tokens)
+        loss.loss_sum = loss.loss_sum + moe["aux_coef"] * term
     loss.metrics = dict(loss.metrics or {}, aux_loss=(aux.detach(), paddle.ones([], "float32")))
     return loss
 

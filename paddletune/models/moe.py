@@ -149,9 +149,11 @@ class SparseMoeBlock(nn.Layer):
         return paddle.index_add(paddle.zeros_like(flat), tok, 0, y)
 
 
-def load_balancing_loss(router_logits, num_experts, top_k, token_mask=None):
+def load_balancing_loss(router_logits, num_experts, top_k, token_mask=None, reduce=None):
     """The auxiliary loss of the module docstring: router_logits a list of [T, E] (one per sparse
-    layer), token_mask [B, S] (1 = real token; T = B*S) or None (every token). float32 scalar."""
+    layer), token_mask [B, S] (1 = real token; T = B*S) or None (every token). float32 scalar.
+    `reduce`, when given, maps the statistics [counts (E) | prob sums (E) | rows (1)] to their
+    sums over the data-parallel ranks (parallel/expert.py), so aux is over the global batch."""
     counts = paddle.zeros([num_experts], "float32")
     prob_sum = paddle.zeros([num_experts], "float32")
     rows = paddle.zeros([], "float32")
@@ -166,5 +168,8 @@ def load_balancing_loss(router_logits, num_experts, top_k, token_mask=None):
         else:
             counts, prob_sum = counts + (chosen * m).sum(0), prob_sum + (p * m).sum(0)
             rows = rows + m.sum()
+    if reduce is not None:
+        stats = reduce(paddle.concat([counts, prob_sum, rows.reshape([1])]))
+        counts, prob_sum, rows = stats[:num_experts], stats[num_experts:2 * num_experts], stats[-1]
     rows = paddle.clip(rows, min=1.0)
     return (counts / rows * (prob_sum / rows)).sum() * float(num_experts)

@@ -7,12 +7,14 @@
 process groups, collectives along an axis); nothing about the layout is kept in module state.
 Data parallel is built: every rank holds the whole model, reads a disjoint share of each global
 batch, and gradients are summed over the data-parallel group (gloo on CPU, NCCL on GPU).
-Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules, but values above 1
-are refused by the arguments until those layouts are built.
+Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules (their layouts:
+tensor.py, pipeline.py, sharding.py). expert_parallel_degree carves expert groups out of the data
+ranks (topology.py "ep" / "ep_data" groups; the MoE layout itself: expert.py).
 """
 import os
 
-from .topology import AXES, Topology, TopologyError, coordinates, degrees_from_args, group_ranks
+from .topology import (AXES, Topology, TopologyError, coordinates, degrees_from_args,
+                       expert_degree_from_args, group_ranks)
 
 __all__ = ["init", "single", "Topology", "TopologyError", "degrees_from_args", "world_from_env"]
 
@@ -33,30 +35,31 @@ def init(training_args=None):
     world, rank = world_from_env()
     degrees = (degrees_from_args(training_args, world) if training_args is not None
                else {"dp": world, "pp": 1, "sharding": 1, "tp": 1})
+    ep = expert_degree_from_args(training_args, degrees) if training_args is not None else 1
     groups = {}
     if world > 1:
         import paddle.distributed as dist
 
         if not dist.is_initialized():
             dist.init_parallel_env()
-        groups = _make_groups(rank, degrees, world)
+        groups = _make_groups(rank, degrees, world, ep)
     return Topology(world_size=world, rank=rank, degrees=degrees,
-                    coords=coordinates(rank, degrees), groups=groups)
+                    coords=coordinates(rank, degrees), groups=groups, ep_degree=ep)
 
 
-def _make_groups(rank, degrees, world):
+def _make_groups(rank, degrees, world, ep=1):
     """This rank's process group per axis whose groups are proper subsets of the world. Every
     rank creates every group of an axis, in the same order (group creation is collective)."""
     from .cpu_compat import new_group
 
     groups = {}
-    for axis in AXES + ("data",):
-        size = len(group_ranks(0, degrees, axis))
+    for axis in AXES + ("data", "ep", "ep_data"):
+        size = len(group_ranks(0, degrees, axis, ep))
         if size <= 1 or size == world:
             continue
         seen = []
         for r in range(world):
-            ranks = group_ranks(r, degrees, axis)
+            ranks = group_ranks(r, degrees, axis, ep)
             if ranks in seen:
                 continue
             seen.append(ranks)

@@ -11,6 +11,11 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    job's store (the host: that rank's address from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when
    absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
    of one new_group call.
+2. all-to-all (`alltoall_single`): gloo has none ("ProcessGroupGLOO does not support alltoall");
+   on CPU builds an exact emulation by all_gather (every rank's rows and split sizes, each rank
+   keeps the blocks addressed to it), so the expert-parallel all-to-all dispatch written for
+   NCCL (parallel/expert.py) is tested here. It moves ep x the data: not for speed (CPU runs use
+   the all-gather dispatch by default). On CUDA builds it is paddle's alltoall_single.
 """
 import contextlib
 import os
@@ -66,3 +71,31 @@ def new_group(ranks, world):
         return dist.new_group(ranks)
     with _own_store(ranks, world):
         return dist.new_group(ranks)
+
+
+def alltoall_single(out, x, in_split_sizes, out_split_sizes, group=None):
+    """paddle.distributed.alltoall_single(out, x, in_split_sizes, out_split_sizes, group); on a
+    build without it (gloo: "ProcessGroupGLOO does not support alltoall") an exact emulation by
+    all_gather: every rank's rows (padded to the longest) and split sizes are gathered and each
+    rank keeps the blocks addressed to it, in source order. Moves ep x the data: for testing the
+    all-to-all dispatch logic on CPU, not for speed. `out` is filled in place."""
+    import numpy as np
+    import paddle.distributed as dist
+
+    if paddle.is_compiled_with_cuda():
+        return dist.alltoall_single(out, x, in_split_sizes=in_split_sizes,
+                                    out_split_sizes=out_split_sizes, group=group)
+    sizes = []
+    dist.all_gather(sizes, paddle.to_tensor(np.asarray(in_split_sizes, np.int64)), group=group)
+    sizes = np.stack([s.numpy() for s in sizes])             # [source, destination]
+    me = (group.rank if group is not None else dist.get_rank())
+    longest = int(sizes.sum(1).max())
+    padded = paddle.concat([x, paddle.zeros([longest - x.shape[0]] + list(x.shape[1:]), x.dtype)]) \
+        if longest > x.shape[0] else x
+    parts = []
+    dist.all_gather(parts, padded, group=group)
+    starts = np.concatenate([np.zeros([len(sizes), 1], np.int64), np.cumsum(sizes, 1)], 1)
+    blocks = [parts[s][int(starts[s, me]):int(starts[s, me + 1])] for s in range(len(sizes))]
+    assert [int(b.shape[0]) for b in blocks] == [int(v) for v in out_split_sizes]
+    out.set_value(paddle.concat(blocks) if blocks else out)
+    return None

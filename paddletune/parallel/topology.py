@@ -12,6 +12,12 @@ Example, 8 ranks as dp 2 x pp 2 x tp 2: rank 5 = dp 1, pp 0, tp 1; its tensor-pa
 
 Data is split over dp x sharding ranks (sharding ranks are data-parallel ranks that also split
 optimizer state); tensor- and pipeline-parallel ranks of one replica read the same batch.
+
+Expert parallel (Mixture-of-Experts, parallel/expert.py) is carved out of the data ranks, as in
+Megatron / PaddleNLP: with ep = expert_parallel_degree, consecutive data ranks form an expert group
+("ep": data ranks d with the same d // ep; ep rank = d % ep) and the data ranks that hold the same
+experts form an expert-data group ("ep_data": the same d % ep). Example, 4 data ranks at ep 2:
+ep groups [0, 1], [2, 3]; ep_data groups [0, 2], [1, 3].
 """
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -51,15 +57,36 @@ def degrees_from_args(args, world_size):
     return {"dp": world_size // inner, "pp": pp, "sharding": sharding, "tp": tp}
 
 
+def expert_degree_from_args(args, degrees):
+    """expert_parallel_degree (-1 / 0 / 1 = off): it must divide the data-parallel degree
+    (dp x sharding), whose ranks it splits the experts over."""
+    v = getattr(args, "expert_parallel_degree", 1)
+    ep = 1 if v in (None, -1, 0, 1) else int(v)
+    data = degrees["dp"] * degrees["sharding"]
+    if data % ep:
+        raise TopologyError(f"expert_parallel_degree {ep} does not divide the data-parallel degree "
+                            f"{data} (world / (tensor x pipeline degrees)): expert-parallel ranks are "
+                            "data-parallel ranks; choose a divisor of it")
+    if ep > 1 and degrees["sharding"] > 1:
+        raise TopologyError(f"expert_parallel_degree {ep} with sharding_parallel_degree "
+                            f"{degrees['sharding']}: sharding of expert-parallel models is not built; "
+                            "use one of them")
+    return ep
+
+
 def coordinates(rank, degrees):
     """{axis: index} of `rank` in the dp x pp x sharding x tp grid (see the module docstring)."""
     shape = [degrees[a] for a in AXES]
     return dict(zip(AXES, (int(i) for i in np.unravel_index(rank, shape))))
 
 
-def group_ranks(rank, degrees, axis):
-    """Global ranks of `rank`'s group along `axis` ("data" = the dp and sharding axes together),
-    in order."""
+def group_ranks(rank, degrees, axis, ep=1):
+    """Global ranks of `rank`'s group along `axis` ("data" = the dp and sharding axes together;
+    "ep" / "ep_data" = the expert groups of the module docstring, at expert degree `ep`), in order."""
+    if axis in ("ep", "ep_data"):
+        data = group_ranks(rank, degrees, "data")
+        d = data.index(rank)
+        return data[(d // ep) * ep:(d // ep + 1) * ep] if axis == "ep" else data[d % ep::ep]
     grid = np.arange(int(np.prod([degrees[a] for a in AXES]))).reshape([degrees[a] for a in AXES])
     c = coordinates(rank, degrees)
     axes = ("dp", "sharding") if axis == "data" else (axis,)
@@ -76,6 +103,7 @@ class Topology:
     degrees: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in AXES})
     coords: Dict[str, int] = field(default_factory=lambda: {a: 0 for a in AXES})
     groups: Dict[str, object] = field(default_factory=dict)
+    ep_degree: int = 1   # expert_parallel_degree (parallel/expert.py); 1 = off
 
     # ---------------------------------------------------------------- degrees and coordinates
     dp_degree = property(lambda self: self.degrees["dp"])
@@ -106,7 +134,12 @@ class Topology:
 
     def ranks(self, axis):
         """Global ranks of this rank's group along `axis` (dp, pp, sharding, tp or data)."""
-        return group_ranks(self.rank, self.degrees, axis)
+        return group_ranks(self.rank, self.degrees, axis, self.ep_degree)
+
+    @property
+    def ep_rank(self):
+        """This rank's index in its expert-parallel group (0 when expert parallel is off)."""
+        return self.ranks("ep").index(self.rank)
 
     def size(self, axis):
         return len(self.ranks(axis))

@@ -101,6 +101,18 @@ class Trainer:
         if self.pp is not None:   # drop the other stages' blocks (and the adapters PEFT put there)
             self.trainable = {n: self.trainable[n] for n in self.pp.finalize(self.trainable)}
         self.tp = getattr(model, "tensor_parallel", None)
+        # Mixture-of-Experts on >1 data rank (parallel/expert.py): router statistics over the data
+        # ranks; under expert parallel each rank holds its own experts
+        if (getattr(model.config, "moe", None) and self.topo.data_degree > 1
+                and getattr(model, "expert_parallel", None) is None):   # loaded without the topology
+            from ..parallel.expert import install
+
+            install(model, self.topo)
+        self.ep = getattr(model, "expert_parallel", None)
+        if self.ep is not None:   # the other ranks' experts dropped (and PEFT's adapters on them)
+            from ..parallel.expert import finalize
+
+            self.trainable = {n: self.trainable[n] for n in finalize(model, self.ep, self.trainable, args)}
         if self.pp is not None and loss_fn is not None:
             raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
                              "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
@@ -199,7 +211,16 @@ class Trainer:
             "loss_count" in b for b in micro_batches) else tgt_local
         real_local = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].size
                          for b in micro_batches)
-        n_global, real_global, tgt_global = self.topo.all_reduce_scalars([n_local, real_local, tgt_local])
+        k = len(micro_batches)
+        n_global, real_global, tgt_global, k_sum, k_sq = self.topo.all_reduce_scalars(
+            [n_local, real_local, tgt_local, k, k * k])
+        if self.ep is not None and k_sum * k_sum != k_sq * self.topo.data_degree:
+            # (sum k)^2 = D sum k^2 only when every rank has the same k: each micro-batch's forward
+            # holds collectives over the data ranks, so every rank must run as many
+            raise ValueError(f"this step gives the data-parallel ranks different numbers of micro-"
+                             f"batches (this rank: {k}): a Mixture-of-Experts model on several data "
+                             "ranks needs equal ones; use dataloader_drop_last or a dataset size that "
+                             "is a multiple of the global batch")
         if self.shard is not None:   # stage 3: what is outside the blocks (these come one by one)
             self.shard.begin_step(self.trainable)
         loss_acc = self._backward(micro_batches, n_global)
@@ -214,6 +235,8 @@ class Trainer:
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
         if self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
+        elif self.ep is not None:   # experts' gradients over the ranks holding the same experts
+            grads = self.ep.reduce_grads(names, grads)
         else:
             grads = self.topo.all_reduce_grads(grads)
         if self.shard is not None:   # stage2+: others' gradients dropped (an owner's are summed in
@@ -296,6 +319,8 @@ class Trainer:
                    for g in grads]
         if self.pp is not None:
             squares = [s if self.pp.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
+        if self.ep is not None:   # each rank's experts are different ones: their parts summed
+            squares = self.ep.norm_squares([n for n, _ in named], squares)
         if self.tp is None:
             norm = paddle.sqrt(paddle.add_n(squares))
         else:
@@ -518,7 +543,11 @@ class Trainer:
         count = paddle.zeros([], "float32")
         correct = paddle.zeros([], "float32")
         extra = self._new_metrics()
-        for idx in batches[rank::world]:
+        mine = batches[rank::world]
+        if self.ep is not None and self.ep.degree > 1 and batches:   # the dispatch is collective:
+            for _ in range(-(-len(batches) // world) - len(mine)):    # every rank runs as many
+                self._eval_batch(self.collate([ds[i] for i in batches[0]]))   # forwards (unused)
+        for idx in mine:
             out = self._eval_batch(self.collate([ds[i] for i in idx]))
             if out is None:   # a pipeline stage before the last
                 continue
@@ -599,7 +628,8 @@ class Trainer:
         mine = (lambda n: True) if self.shard is None else self.shard.owns   # sharding: owners write
         if self.tp is None:
             own = {n: p for n, p in self.trainable.items()
-                   if (self.pp is None or self.pp.counts_once(n)) and mine(n)}
+                   if (self.pp is None or self.pp.counts_once(n)) and mine(n)
+                   and (self.ep is None or self.ep.writes(n))}
             opt = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] in own}
             return ckpt.whole(ckpt.arrays(own)), ckpt.whole(opt), meta
         from ..parallel.plan import param_split
@@ -654,7 +684,7 @@ class Trainer:
         # data-parallel replicas hold the same slices: the first replica writes them (under sharding
         # each of its ranks writes the tensors it owns)
         path = ckpt.save_checkpoint(self.checkpoint_path(step), self.topo, model_pieces, optim_pieces,
-                                    state, writer=self.topo.dp_rank == 0, meta=self.checkpoint_meta)
+                                    state, writer=self._writer(), meta=self.checkpoint_meta)
         if self.main and getattr(self.args, "unified_checkpoint", False):
             self._unified(path)
         if self.main:
@@ -662,6 +692,11 @@ class Trainer:
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=best)
             logger.info("checkpoint saved: %s", path)
         self.topo.barrier()
+
+    def _writer(self):
+        """Whether this rank writes checkpoint pieces: the first data-parallel replica (expert
+        parallel: the first expert group, each rank its experts)."""
+        return self.ep.writer if self.ep is not None else self.topo.dp_rank == 0
 
     def _export_through_checkpoint(self, out_dir):
         """Pipeline stages: no rank holds the whole model, so every rank writes its tensors in the
@@ -788,6 +823,12 @@ class Trainer:
                               "is not merged (each stage holds part of it); export_fn runs on rank 0")
             if self.main:
                 self.export_fn(a.output_dir)
+        elif self.ep is not None and self.ep.degree > 1:   # every expert gathered to rank 0
+            from ..parallel.expert import full_experts
+
+            with full_experts(self.model, self.ep, build=self.main):
+                if self.main:
+                    self.export_fn(a.output_dir)
         elif self.tp is not None and self.export_fn == self._default_export:
             self.export_fn(a.output_dir)                 # every rank: the tensors are gathered
         elif self.tp is not None:                        # PEFT: the adapter's tensors gathered
