@@ -6,7 +6,9 @@
 - `make_tiny_checkpoint(out_dir, model_type, seed, **config_overrides)`: random N(0, 0.02)
   weights (numpy RNG) + config.json + tokenizer files, saved by models.save_pretrained.
 - Built-in names (`paddletune/tiny-llama`, ...) are generated once into $PADDLETUNE_HOME
-  (default ~/.cache/paddletune) and reused; they carry the "plain" chat template.
+  (default ~/.cache/paddletune) and reused; they carry the "plain" chat template. Those with
+  assets/pretrained/<short name>/model.safetensors (tools/make_pretrained_builtins.py: pre-trained
+  on the standard library's docs) get those weights; the others are random N(0, 0.02).
 """
 import hashlib
 import json
@@ -17,6 +19,7 @@ from ..io import temp_dir_beside
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 TINY_TOKENIZER = os.path.join(ASSETS, "tiny-tokenizer")
+PRETRAINED = os.path.join(ASSETS, "pretrained")
 
 # built-in name -> (model_type, config overrides); sized so the sample SFT run takes minutes
 BUILTIN = {
@@ -147,8 +150,9 @@ def builtin_model_dir(name):
     model_type, overrides = BUILTIN[name]
     overrides = dict(overrides)
     tok_dir = os.path.join(ASSETS, overrides.pop("tokenizer", "tiny-tokenizer"))
-    key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir), BUILTIN_CHAT_TEMPLATE],
-                     sort_keys=True)
+    weights = pretrained_weights(name)
+    key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir), BUILTIN_CHAT_TEMPLATE]
+                     + ([_file_digest(weights)] if weights else []), sort_keys=True)
     tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
     path = os.path.join(home, f"{name.split('/')[-1]}-{tag}")
@@ -158,6 +162,8 @@ def builtin_model_dir(name):
     try:
         make_tiny_checkpoint(tmp, model_type, seed=0, tokenizer_dir=tok_dir,
                              chat_template=BUILTIN_CHAT_TEMPLATE, **overrides)
+        if weights:
+            _use_weights(tmp, weights)
         try:
             os.rename(tmp, path)
         except OSError:  # another process finished first; its copy is identical
@@ -165,6 +171,35 @@ def builtin_model_dir(name):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def pretrained_weights(name):
+    """assets/pretrained/<short name>/model.safetensors of built-in `name`, or None (random)."""
+    path = os.path.join(PRETRAINED, name.split("/")[-1], "model.safetensors")
+    return path if os.path.isfile(path) else None
+
+
+def _use_weights(model_dir, weights):
+    """Replace the random model.safetensors of `model_dir` by `weights`: same tensor names,
+    shapes and dtypes, or an error naming the first difference (the asset is stale)."""
+    from safetensors import safe_open
+
+    def layout(path):
+        with safe_open(path, "np") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+    target = os.path.join(model_dir, "model.safetensors")
+    want, have = layout(target), layout(weights)
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()), key=str)[:1]
+        raise ValueError(f"{weights} does not fit the built-in configuration (first difference: {diff}); "
+                         "rebuild it with tools/make_pretrained_builtins.py")
+    shutil.copyfile(weights, target)
+
+
+def _file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:10]
 
 
 def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
