@@ -104,7 +104,7 @@ def test_data_parallel_launch_rank0_writes(tmp_path):
 
 def _lora_run(out, batch, nproc=1, log_dir=None, extra=()):
     """llm/finetune_generation.py with the shipped LoRA file for 3 steps at a constant learning
-    rate 0.01 (no warmup, AdamW epsilon 1e-4: see the test), one process or `nproc` launched
+    rate 0.01 (no warmup, AdamW epsilon 1e-3: see the test), one process or `nproc` launched
     ranks of `batch` examples each; returns ({HF-PEFT key: array} of the adapter written to `out`,
     the logged losses)."""
     from safetensors.numpy import load_file
@@ -113,7 +113,7 @@ def _lora_run(out, batch, nproc=1, log_dir=None, extra=()):
 
     lora = os.path.join(ROOT, "llm", "llama", "lora_argument.json")
     args = [SCRIPT, lora, "--output_dir", str(out), "--max_steps", "3", "--warmup_steps", "0",
-            "--lr_scheduler_type", "constant", "--learning_rate", "0.01", "--adam_epsilon", "1e-4",
+            "--lr_scheduler_type", "constant", "--learning_rate", "0.01", "--adam_epsilon", "1e-3",
             "--do_eval", "false", "--seed", "42"] + QUICK[2:]
     args += ["--per_device_train_batch_size", str(batch)] + list(extra)
     if nproc == 1:
@@ -139,10 +139,11 @@ def test_lora_under_data_parallel_launch(tmp_path):
     started from it. The adapter is written once, by rank 0, and torch peft loads it onto the
     transformers base with exactly those values.
 
-    AdamW epsilon is 1e-4 in both runs (not 1e-8): with a tiny epsilon AdamW's step is nearly
+    AdamW epsilon is 1e-3 in both runs (not 1e-8): with a tiny epsilon AdamW's step is nearly
     lr * sign(g), so elements whose gradient is at float32 noise level (lora_A's gradient is
     ~lr-sized at step 2, since lora_B starts at zero) turn summation-order noise into ~3e-3 of
-    the update; measured max ratio here is 2e-5 with 1e-4."""
+    the update. On the random tiny model the max ratio was 2e-5 with 1e-4; the pre-trained one
+    has smaller gradients (1.1e-4 with 1e-4), so 1e-3 here."""
     lr = 0.01
     dp, dp_losses = _lora_run(tmp_path / "dp", 4, nproc=2, log_dir=tmp_path / "log")
     single, losses = _lora_run(tmp_path / "single", 8)
@@ -154,8 +155,10 @@ def test_lora_under_data_parallel_launch(tmp_path):
     tiny = resolve_model_path("paddletune/tiny-llama")
     layers = json.load(open(os.path.join(tiny, "config.json")))["num_hidden_layers"]
     assert set(dp) == set(single) == set(init) and len(init) == 2 * 7 * layers   # A, B x 7 linears
+    worst = 0.0
     for k, a0 in init.items():
         update = single[k] - a0
+        worst = max(worst, float(np.abs(dp[k] - single[k]).max() / np.abs(update).max()))
         assert np.abs(update).max() > 0, k                    # training really moved every tensor
         assert np.abs(dp[k] - single[k]).max() <= 1e-4 * np.abs(update).max(), k
         if ".lora_B." in k:
@@ -165,6 +168,7 @@ def test_lora_under_data_parallel_launch(tmp_path):
             assert np.abs(a0).max() <= bound and np.abs(a0).max() > 0.95 * bound, k
             assert len(np.unique(a0)) == a0.size, k
             assert np.abs(dp[k] - a0).max() <= 2 * lr and np.abs(update).max() <= 2 * lr, k
+    print(f"max |dp - single| / max |update| over the adapter tensors: {worst:.2e}")
     import peft
     import transformers
 

@@ -343,10 +343,13 @@ def test_two_rank_launch_dp_and_tp_equal_one_process(tmp_path):
         assert [r["rc"] for r in ranks] == [0, 0] and single[key]["rc"] == 0, (key, ranks, single[key])
         two, one = logs(tmp_path / key / "two"), logs(tmp_path / key / "one")
         assert len(two) == len(one) == 3
-        for a, b in zip(two, one):   # (a KTO step without a desirable example logs no rewards/chosen)
+        # (a KTO step without a desirable example logs no rewards/chosen.) abs 5e-6: a reward is
+        # beta x (policy - reference) sequence log-probs of tens of nats each, whose float32
+        # summation-order noise is ~1e-5 nats on one process vs vocabulary shards
+        for a, b in zip(two, one):
             assert {k for k in a if "/" in k} == {k for k in b if "/" in k}
             for k in {"loss", "rewards/chosen", "rewards/rejected"} & set(b):
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (key, k)
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=5e-6), (key, k)
         if key.startswith("dp"):   # disjoint shares of each global batch, together the single run's
             for s0, s1, s in zip(ranks[0]["examples"], ranks[1]["examples"], single[key]["examples"]):
                 assert not set(s0) & set(s1) and sorted(s0 + s1) == s
