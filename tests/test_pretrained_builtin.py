@@ -20,14 +20,13 @@ def sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_builtin_directory_holds_the_shipped_pretrained_weights():
+@pytest.mark.parametrize("name", ["paddletune/tiny-llama", "paddletune/tiny-qwen2"])
+def test_builtin_directory_holds_the_shipped_pretrained_weights(name):
     """The built-in directory's weights are the asset's (checked by the digest the recipe
-    recorded), the recipe's record says it beat half the unigram perplexity, and a stale asset
-    (another layout) is refused naming the recipe."""
-    from paddletune.models.tiny import _use_weights
-
-    info = json.load(open(os.path.join(PRETRAINED, "tiny-llama", "pretrained.json")))
-    path = builtin_model_dir("paddletune/tiny-llama")
+    recorded) and the recipe's record says it beat half the unigram perplexity."""
+    info = json.load(open(os.path.join(PRETRAINED, name.split("/")[-1], "pretrained.json")))
+    assert info["name"] == name
+    path = builtin_model_dir(name)
     assert sha256(os.path.join(path, "model.safetensors")) == info["sha256"]
     assert info["valid_ppl"] < info["unigram_ppl"] / 2
     assert os.path.isfile(os.path.join(ROOT, info["argument_file"]))
