@@ -5,6 +5,7 @@ than the same run on the random model of the same configuration."""
 import hashlib
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -56,17 +57,23 @@ def exact_match(base, adapter, out):
 def test_lora_example_on_the_pretrained_model_beats_the_random_one(tmp_path):
     """llm/llama/lora_argument.json as it is (3 epochs) on paddletune/tiny-llama and on the random
     model of the same configuration, tokenizer and template: greedy exact match on the 200 dev
-    tasks of the pre-trained base >= 3x the random base's (and at least 10%)."""
+    tasks of the pre-trained base >= 3x the random base's (and at least 10%). The two runs go side
+    by side, one thread each (on 2 cores: 30 s instead of 55)."""
     model_type, over = BUILTIN["paddletune/tiny-llama"]
     random_base = make_tiny_checkpoint(str(tmp_path / "random"), model_type, seed=0,
                                        chat_template=BUILTIN_CHAT_TEMPLATE, **over)
-    finetune = load_script("llm/finetune_generation.py")
-    scores = {}
-    for tag, base in (("pretrained", "paddletune/tiny-llama"), ("random", random_base)):
-        out = str(tmp_path / f"lora_{tag}")
-        assert finetune.main(["llm/llama/lora_argument.json", "--model_name_or_path", base,
-                              "--output_dir", out, "--disable_tqdm", "true"]) == 0
-        scores[tag] = exact_match(base, out, str(tmp_path / f"{tag}.json"))
+    bases = {"pretrained": "paddletune/tiny-llama", "random": random_base}
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = {tag: subprocess.Popen([sys.executable, "llm/finetune_generation.py", "llm/llama/lora_argument.json",
+                                   "--model_name_or_path", base, "--output_dir", str(tmp_path / f"lora_{tag}"),
+                                   "--disable_tqdm", "true"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=open(tmp_path / f"{tag}.log", "w"))
+            for tag, base in bases.items()}
+    for tag, proc in runs.items():
+        assert proc.wait(timeout=900) == 0, open(tmp_path / f"{tag}.log").read()[-3000:]
+    scores = {tag: exact_match(base, str(tmp_path / f"lora_{tag}"), str(tmp_path / f"{tag}.json"))
+              for tag, base in bases.items()}
     print(f"greedy exact match on the dev set after the LoRA example: pre-trained {scores['pretrained']:.3f}, "
           f"random {scores['random']:.3f}")
     assert scores["pretrained"] >= 0.1 and scores["pretrained"] >= 3 * scores["random"]
