@@ -22,7 +22,6 @@ global batch in one process, under DP=2 and under EP=2 (2 launched processes eac
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -87,15 +86,7 @@ json.dump(res, open(os.path.join(out, f"{mode}-{topo.rank}.json"), "w"))
 '''
 
 
-def launch(nproc, args, cwd):
-    if nproc == 1:
-        cmd = [sys.executable] + args
-    else:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-               "--log_dir", os.path.join(cwd, f"log-{args[1]}")] + args
-    r = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"benchmark run failed ({' '.join(cmd[:6])} ...):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+from tensor_parallel import launch  # noqa: E402  (same launcher: one process or paddle.distributed.launch)
 
 
 def write_checkpoint(path, a):
