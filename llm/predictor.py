@@ -2,6 +2,7 @@
 
     python llm/predictor.py --model_name_or_path OUT --data_file dev.json --output_file out.json --batch_size 8
     python llm/predictor.py --model_name_or_path BASE --lora_path OUT --chat     # interactive, with history
+    python llm/predictor.py --model_name_or_path LORA_OUT --chat                 # an adapter dir: its base + it
     python llm/predictor.py args.json [--key value ...]                           # keys from a JSON file
     python -m paddle.distributed.launch --nproc_per_node 2 llm/predictor.py --model_name_or_path OUT \
         --tensor_parallel_degree 2 --data_file dev.json --output_file out.json   # model split over 2 ranks
@@ -20,6 +21,7 @@ the ranks generate together (the same ids on every rank); only rank 0 prints and
 import dataclasses
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -132,6 +134,27 @@ def conversation_of(src, tgt):
     return [[q, tgt[i]] for i, q in enumerate(src[:-1])] + [[src[-1]]]
 
 
+def adapter_as_model(a):
+    """--model_name_or_path naming an adapter directory (a LoRA / prefix-tuning run's output_dir:
+    adapter_config.json, no config.json) means its base_model_name_or_path with that adapter, as
+    if --lora_path / --prefix_path had been given."""
+    d = a.model_name_or_path
+    conf = os.path.join(d, "adapter_config.json")
+    if not os.path.isfile(conf) or os.path.isfile(os.path.join(d, "config.json")) or a.lora_path or a.prefix_path:
+        return
+
+    with open(conf) as f:
+        ac = json.load(f)
+    base, kind = ac.get("base_model_name_or_path"), str(ac.get("peft_type", "LORA")).upper()
+    key = {"LORA": "lora_path", "PREFIX_TUNING": "prefix_path"}.get(kind)
+    if not base or key is None:
+        raise ArgumentError(f"model_name_or_path={d!r} is an adapter directory ({kind}) without a usable "
+                            "base_model_name_or_path; give --model_name_or_path BASE --lora_path DIR")
+    logging.getLogger("paddletune").info("%s is a %s adapter: base %s", d, kind, base)
+    a.model_name_or_path = base
+    setattr(a, key, d)
+
+
 def check(a):
     """Everything that can be checked without the model; returns (model dir, tokenizer, rows)."""
     from paddletune.generation import GenerationConfig
@@ -163,6 +186,7 @@ def check(a):
         raise ArgumentError(f"output_file={a.output_file!r} is a directory; give a file name")
     if a.output_file:   # a test write now, not a lost generation run at the end
         check_writable_file(a.output_file, "output_file")
+    adapter_as_model(a)
     path = resolve_model_path(a.model_name_or_path)
     spec, config = load_config(path)
     tok = load_tokenizer(a.tokenizer_name_or_path or path)

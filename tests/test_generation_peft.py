@@ -82,6 +82,18 @@ def test_pipeline_and_predictor_with_lora(lora_setup, tmp_path):
     assert pred.main(["--model_name_or_path", path, "--lora_path", adapter, "--data_file", data,
                       "--decode_strategy", "greedy_search", "--max_length", "8"], stdout=out) == 0
     assert json.loads(out.getvalue().splitlines()[0])["output"] == want
+    # the adapter directory alone (a LoRA run's output_dir): its base_model_name_or_path + itself
+    import os
+    import shutil
+
+    alone = str(tmp_path / "adapter_only")
+    shutil.copytree(adapter, alone)
+    conf = json.load(open(os.path.join(alone, "adapter_config.json")))
+    json.dump(dict(conf, base_model_name_or_path=path), open(os.path.join(alone, "adapter_config.json"), "w"))
+    out = io.StringIO()
+    assert pred.main(["--model_name_or_path", alone, "--data_file", data, "--decode_strategy", "greedy_search",
+                      "--max_length", "8"], stdout=out) == 0
+    assert json.loads(out.getvalue().splitlines()[0])["output"] == want
 
 
 @pytest.fixture(scope="module")
