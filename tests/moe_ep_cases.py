@@ -97,6 +97,7 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
         comm[op] = comm.get(op, 0) + nbytes
         widths.add(shape[-1])
     expert_numel = sum(int(paddle.numel(p)) for n, p in model.named_parameters() if ".experts." in n)
+    routers = [type(m).__name__ for n, m in model.named_sublayers() if n.endswith(".gate")]
     quant_expert = sum(m.nbytes() for n, m in model.named_sublayers()
                        if ".experts." in n and hasattr(m, "state_arrays"))   # codes + scales held
     trainable_expert = sum(int(paddle.numel(p)) for n, p in trainer.trainable.items() if ".experts." in n)
@@ -106,7 +107,8 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
             "experts": _expert_ids(model), "read_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
                                                                    for n in read if ".experts." in n}),
             "read_count": len(read), "expert_numel": expert_numel,
-            "trainable_expert_numel": trainable_expert, "quant_expert_bytes": quant_expert, "ids": held, "comm": comm,
+            "trainable_expert_numel": trainable_expert, "quant_expert_bytes": quant_expert,
+            "routers": routers, "ids": held, "comm": comm,
             "widths": sorted(widths), "tokens": tokens, "targets": targets,
             "rank": topo.rank, "ep_rank": epg.rank if epg is not None else 0}
 

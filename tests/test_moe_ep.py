@@ -198,8 +198,9 @@ def test_lora_under_ep2(runs):
 
 @pytest.mark.parametrize("algo", ["nf4", "int8"])
 def test_qlora_under_ep2(runs, algo):
-    """QLoRA (nf4: 2 steps; weight_only_int8: 1 step) (LoRA on attention and every expert; experts quantized, routers float) under EP=2:
-    each rank holds only its experts' quantized codes (half of one process's bytes); losses, the
+    """QLoRA under EP=2 (nf4: 2 steps; weight_only_int8: 1 step; LoRA on attention and every
+    expert; experts quantized, routers float and unadapted as in one process): each rank holds
+    only its experts' quantized codes (half of one process's bytes); losses, the
     exported adapter, every expert's quantized weight as the export's gather gave it to rank 0
     (parameters AND buffers gathered: parallel/expert.py _gathered_copies), and the adapter merged
     into the full-precision base (the merged HF model, peft.merge_lora) equal one process."""
@@ -213,6 +214,7 @@ def test_qlora_under_ep2(runs, algo):
     for r in ranks:
         np.testing.assert_allclose(r["losses"], want["losses"], rtol=1e-5)
         assert r["quant_expert_bytes"] * 2 == want["quant_expert_bytes"] > 0
+        assert r["routers"] == want["routers"] == ["Linear"] * 4   # float routers, 4 layers
     got, exp = (_weights(p, "adapter_model.safetensors") for p in (root / run, root / one))
     assert any(".experts.3." in n for n in got) and not any("gate.lora" in n for n in got)
     assert max(float(np.abs(exp[n]).max()) for n in exp if "experts.3" in n and "lora_B" in n) > 10 * TOL
