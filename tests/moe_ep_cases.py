@@ -41,13 +41,14 @@ def _expert_ids(model):
 
 def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_steps=0, resume=None,
                max_grad_norm=0.05, lr=1e-2, global_router=True, alltoall=False, recompute=False,
-               recompute_granularity="full"):
+               recompute_granularity="full", quant=None):
     import paddle
 
     from conftest import training_args
     from paddletune import parallel, peft, runtime
     from paddletune.args import ModelArgument
     from paddletune.models import hf, load_model
+    from paddletune.quant import QuantConfig
     from paddletune.trainer import Trainer
 
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
@@ -59,13 +60,15 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
     topo = parallel.init(args)
     runtime.set_seed(0)
     read = []   # every tensor name the load reads from the safetensors files
-    real = hf.read_slice
-    hf.read_slice = lambda reader, spec, name, *a, **k: read.append(name) or real(reader, spec, name, *a, **k)
+    real = hf.read_slice, hf.read_torch_linear   # (the second: the weights a quantized layer reads)
+    hf.read_slice = lambda reader, spec, name, *a, **k: read.append(name) or real[0](reader, spec, name, *a, **k)
+    hf.read_torch_linear = lambda reader, spec, name, *a, **k: read.append(name) or real[1](reader, spec, name, *a, **k)
     try:
-        model = load_model(ckpt, topology=topo)
+        model = load_model(ckpt, topology=topo, quant=QuantConfig(quant, 64, True) if quant else None)
     finally:
-        hf.read_slice = real
-    targets = list(model.spec.lora_targets) + [r".*\.gate$"] if lora else None   # + the router
+        hf.read_slice, hf.read_torch_linear = real
+    # LoRA: + the router; QLoRA: attention and experts only (the routers stay float, unadapted)
+    targets = list(model.spec.lora_targets) + [r".*\.gate$"] if lora and not quant else None
     setup = peft.apply(model, ModelArgument(model_name_or_path=ckpt, lora=lora, lora_rank=4,
                                             lora_target_modules=targets))
     epg = getattr(model, "expert_parallel", None)
@@ -80,8 +83,9 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
         tokens.append([int(mb["input_ids"].size) for mb in info["micro_batches"]])
         targets.append(sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in info["micro_batches"]))
         marks.append(len(epg.log) if epg is not None and epg.log is not None else 0)
+    export = _with_dequantized_experts(model, setup.export_fn) if quant else setup.export_fn
     trainer = Trainer(model, args, train_dataset=copy_data(), eval_dataset=copy_data(6, 1),
-                      trainable=setup.trainable, export_fn=setup.export_fn, topology=topo,
+                      trainable=setup.trainable, export_fn=export, topology=topo,
                       callbacks=[step_done])
     if not global_router:   # negative control: each rank's aux over its own tokens only
         model.expert_parallel = trainer.ep = None
@@ -93,6 +97,9 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
         comm[op] = comm.get(op, 0) + nbytes
         widths.add(shape[-1])
     expert_numel = sum(int(paddle.numel(p)) for n, p in model.named_parameters() if ".experts." in n)
+    routers = [type(m).__name__ for n, m in model.named_sublayers() if n.endswith(".gate")]
+    quant_expert = sum(m.nbytes() for n, m in model.named_sublayers()
+                       if ".experts." in n and hasattr(m, "state_arrays"))   # codes + scales held
     trainable_expert = sum(int(paddle.numel(p)) for n, p in trainer.trainable.items() if ".experts." in n)
     return {"losses": [r["loss"] for r in hist if "loss" in r],
             "grad_norms": [r["grad_norm"] for r in hist if "grad_norm" in r],
@@ -100,9 +107,46 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
             "experts": _expert_ids(model), "read_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
                                                                    for n in read if ".experts." in n}),
             "read_count": len(read), "expert_numel": expert_numel,
-            "trainable_expert_numel": trainable_expert, "ids": held, "comm": comm,
+            "trainable_expert_numel": trainable_expert, "quant_expert_bytes": quant_expert,
+            "routers": routers, "ids": held, "comm": comm,
             "widths": sorted(widths), "tokens": tokens, "targets": targets,
             "rank": topo.rank, "ep_rank": epg.rank if epg is not None else 0}
+
+
+def _with_dequantized_experts(model, export_adapter):
+    """The adapter export, plus every expert's quantized base weight dequantized
+    (experts_dequantized.safetensors, keyed by QuantizedLinear.weight_name): under EP the export
+    runs inside parallel.expert.full_experts, so this shows what the gather gave rank 0."""
+    def export(out_dir):
+        from safetensors.numpy import save_file
+
+        export_adapter(out_dir)
+        save_file({m.weight_name: m.dequantize().numpy() for n, m in model.named_sublayers()
+                   if ".experts." in n and hasattr(m, "dequantize")},
+                  os.path.join(out_dir, "experts_dequantized.safetensors"))
+    return export
+
+
+def quant_full_export_case(ckpt, out_dir):
+    """A quantized backbone (nf4) under EP=2 with the Trainer's default (full-model) export:
+    every rank must refuse before its first step."""
+    from conftest import training_args
+    from paddletune import parallel
+    from paddletune.models import load_model
+    from paddletune.quant import QuantConfig
+    from paddletune.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=4, max_steps=1, expert_parallel_degree=2)
+    topo = parallel.init(args)
+    model = load_model(ckpt, topology=topo, quant=QuantConfig("nf4", 64, True))
+    params = dict(model.named_parameters())
+    trainer = Trainer(model, args, train_dataset=copy_data(), topology=topo,
+                      trainable={n: p for n, p in params.items() if "norm" in n})
+    try:
+        trainer.train()
+    except ValueError as e:
+        return {"error_message": str(e), "steps": trainer.state["global_step"]}
+    return {"error_message": None, "steps": trainer.state["global_step"]}
 
 
 def uneven_case(ckpt, out_dir):

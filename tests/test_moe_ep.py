@@ -3,8 +3,9 @@ the one-process run with the same global batch (8 examples a step, 3 AdamW steps
 aux loss in the loss, target counts that differ per rank).
 
 Two launches: 2 processes (EP=2 with a checkpoint, DP=2, DP=2 with per-rank router statistics as
-the negative control, LoRA under EP=2, the all-to-all dispatch, EP=2 vs DP=2 with gradient
-accumulation, unequal micro-batch counts) and 4 processes (DP2xEP2 on Qwen2-MoE; DP2xEP2 resuming
+the negative control, LoRA under EP=2, QLoRA under EP=2 (nf4 2 steps, weight_only_int8 1 step), the full-model export of a
+quantized backbone refused, the all-to-all dispatch, EP=2 vs DP=2 with gradient accumulation,
+unequal micro-batch counts) and 4 processes (DP2xEP2 on Qwen2-MoE; DP2xEP2 resuming
 the EP=2 checkpoint; EP=4, one expert per rank). The references run in this process (moe_ep_cases.train_case, world 1)."""
 import json
 import os
@@ -33,11 +34,19 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_ep")
     ref = {"mix": train_case(MIX, str(root / "ref_mix"), micro=8),
            "qwen": train_case(QWEN, str(root / "ref_qwen"), micro=8),
-           "lora": train_case(MIX, str(root / "ref_lora"), micro=8, lora=True)}
+           "lora": train_case(MIX, str(root / "ref_lora"), micro=8, lora=True),
+           "qlora_nf4": train_case(MIX, str(root / "ref_qlora_nf4"), micro=8, lora=True, quant="nf4", steps=2),
+           "qlora_int8": train_case(MIX, str(root / "ref_qlora_int8"), micro=8, lora=True,
+                                    quant="weight_only_int8", steps=1)}
     two = launch_cases([_case("ep2", MIX, root, ep=2, micro=4, save_steps=2),
                         _case("dp2", MIX, root, ep=1, micro=4),
                         _case("dp2_local", MIX, root, ep=1, micro=4, global_router=False),
                         _case("ep2_lora", MIX, root, ep=2, micro=4, lora=True),
+                        _case("ep2_qlora_nf4", MIX, root, ep=2, micro=4, lora=True, quant="nf4", steps=2),
+                        _case("ep2_qlora_int8", MIX, root, ep=2, micro=4, lora=True,
+                              quant="weight_only_int8", steps=1),
+                        ("quant_full", "moe_ep_cases:quant_full_export_case",
+                         dict(ckpt=MIX, out_dir=str(root / "quant_full"))),
                         _case("ep2_a2a", QWEN, root, ep=2, micro=4, alltoall=True),
                         _case("ep2_acc2", MIX, root, ep=2, micro=2, accum=2),
                         _case("dp2_acc2", MIX, root, ep=1, micro=2, accum=2),
@@ -185,6 +194,46 @@ def test_lora_under_ep2(runs):
     got, want = (_weights(p, "adapter_model.safetensors") for p in (root / "ep2_lora", root / "ref_lora"))
     assert any(".experts.3." in n for n in got) and any("gate.lora" in n for n in got)
     _same_weights(got, want)
+
+
+@pytest.mark.parametrize("algo", ["nf4", "int8"])
+def test_qlora_under_ep2(runs, algo):
+    """QLoRA under EP=2 (nf4: 2 steps; weight_only_int8: 1 step; LoRA on attention and every
+    expert; experts quantized, routers float and unadapted as in one process): each rank holds
+    only its experts' quantized codes (half of one process's bytes); losses, the
+    exported adapter, every expert's quantized weight as the export's gather gave it to rank 0
+    (parameters AND buffers gathered: parallel/expert.py _gathered_copies), and the adapter merged
+    into the full-precision base (the merged HF model, peft.merge_lora) equal one process."""
+    from paddletune import peft
+
+    root, ref, out = runs
+    run, one = f"ep2_qlora_{algo}", f"ref_qlora_{algo}"
+    ranks, want = out[run], ref[f"qlora_{algo}"]
+    _check_matches(ranks, want)
+    _check_split(ranks, want, 2)
+    for r in ranks:
+        np.testing.assert_allclose(r["losses"], want["losses"], rtol=1e-5)
+        assert r["quant_expert_bytes"] * 2 == want["quant_expert_bytes"] > 0
+        assert r["routers"] == want["routers"] == ["Linear"] * 4   # float routers, 4 layers
+    got, exp = (_weights(p, "adapter_model.safetensors") for p in (root / run, root / one))
+    assert any(".experts.3." in n for n in got) and not any("gate.lora" in n for n in got)
+    assert max(float(np.abs(exp[n]).max()) for n in exp if "experts.3" in n and "lora_B" in n) > 10 * TOL
+    _same_weights(got, exp)
+    deq = [_weights(p, "experts_dequantized.safetensors") for p in (root / run, root / one)]
+    assert len(deq[0]) == 4 * 4 * 3   # 4 layers x 4 experts x (w1, w2, w3)
+    assert sorted(deq[0]) == sorted(deq[1]) and all(np.array_equal(deq[0][k], deq[1][k]) for k in deq[1])
+    merged = [peft.merge_lora(str(root / n), str(root / (n + "_merged"))) for n in (run, one)]
+    _same_weights(_weights(merged[0]), _weights(merged[1]))
+
+
+def test_quantized_full_export_refused_under_ep2(runs):
+    """The default (full-model) export of a quantized backbone under EP=2: every rank refuses
+    before its first step, naming the keys (one process refuses it at the export)."""
+    _, _, out = runs
+    for r in out["quant_full"]:
+        assert r["steps"] == 0
+        assert "weight_quantize_algo nf4 with expert_parallel_degree 2" in r["error_message"]
+        assert "lora: true" in r["error_message"] and "merge_lora_params" in r["error_message"]
 
 
 def test_resume_ep2_checkpoint_under_dp2_ep2(runs):

@@ -378,33 +378,59 @@ def _expert(block, e):
     return block.experts[str(e)] if isinstance(block.experts, nn.LayerDict) else block.experts[e]
 
 
+def check_full_export(model, ep):
+    """Refuse, on every rank before training, the full-model export (models.save_pretrained) of a
+    quantized backbone under expert parallel. One process refuses it too, but only at the export,
+    on rank 0 alone under EP, where the other ranks would then wait in the export's collectives."""
+    cfg = getattr(model, "quant_config", None)
+    if ep.degree > 1 and cfg is not None:
+        raise ValueError(
+            f"weight_quantize_algo {cfg.algo} with expert_parallel_degree {ep.degree}: the full "
+            "model of a quantized backbone is not exported (as in one process); set lora: true "
+            "(QLoRA: the adapter is exported, with every expert's LoRA) and merge it into the "
+            "full-precision base with llm/merge_lora_params.py")
+
+
+def _gathered_copies(mine, ep, e, el, build=True):
+    """{global expert id: copy of local expert `mine` (id e) holding ep rank s's values} for
+    every other rank s: its parameters AND buffers (a quantized base weight's codes and scales,
+    QuantizedLinear.FIELDS, or gpu.py's fused layout) all-gathered over the expert group, so a
+    copy is the other expert exactly, quantized weights included. A collective per tensor."""
+    from ..quant import QuantizedLinear
+
+    named = list(mine.named_parameters()) + list(mine.named_buffers())
+    values = [ep.all_gather(t.detach().unsqueeze(0)) for _, t in named]
+    got = {}
+    for s in range(ep.degree):
+        if s == ep.rank or not build:
+            continue
+        clone, other = copy.deepcopy(mine), s * el + (e % el)
+        tensors = dict(clone.named_parameters())
+        tensors.update(clone.named_buffers())
+        for (n, _), v in zip(named, values):
+            tensors[n].set_value(v[s])
+        for m in clone.sublayers(include_self=True):   # the name it reports and is loaded from
+            if isinstance(m, QuantizedLinear) and m.weight_name:
+                m.weight_name = m.weight_name.replace(f".experts.{e}.", f".experts.{other}.")
+        got[other] = clone
+    return got
+
+
 @contextlib.contextmanager
 def full_experts(model, ep, build=True):
     """Every expert of every sparse block on this rank for the duration (export): each local
-    expert's tensors are all-gathered over the expert group (a collective per tensor, every rank
-    takes part); the ranks with `build` put the others' experts in (copies of a local expert's
-    module, LoRA included, with the gathered values), in expert order; restored on exit.
-    Parameters only: buffers (a quantized base weight) of the copies are the local expert's, so
-    with a quantized backbone only the adapters of the result are the other experts'."""
+    expert's tensors (parameters and buffers: a quantized backbone's codes too) are all-gathered
+    over the expert group (a collective per tensor, every rank takes part); the ranks with `build`
+    put the others' experts in (copies of a local expert's module, LoRA included, with the
+    gathered values: _gathered_copies), in expert order; restored on exit."""
     saved = []
     for block in sparse_blocks(model):
         lo, hi = block.expert_range
-        el = hi - lo
         got = {}
-        for j in range(el):
-            mine = block.experts[str(lo + j)]
-            named = list(mine.named_parameters())
-            values = [ep.all_gather(p.detach().unsqueeze(0)) for _, p in named]
-            for s in range(ep.degree):
-                if not build or s == ep.rank:
-                    continue
-                clone = copy.deepcopy(mine)
-                params = dict(clone.named_parameters())
-                for (n, _), v in zip(named, values):
-                    params[n].set_value(v[s])
-                got[s * el + j] = clone
+        for e in range(lo, hi):
+            got.update(_gathered_copies(block.experts[str(e)], ep, e, hi - lo, build))
         if build:
-            got.update({lo + j: block.experts[str(lo + j)] for j in range(el)})
+            got.update({e: block.experts[str(e)] for e in range(lo, hi)})
             saved.append((block, block.experts))
             block.experts = nn.LayerDict({str(e): got[e] for e in sorted(got)})
     try:

@@ -359,6 +359,10 @@ class Trainer:
         """Train to max_steps / num_train_epochs (resuming first when resume_from_checkpoint is
         set). Rank 0 holds output_dir's lock meanwhile (the scripts take it before any work; a
         Trainer used from Python takes it here), so a second job there is refused."""
+        if self.ep is not None and self.export_fn == self._default_export:
+            from ..parallel.expert import check_full_export
+
+            check_full_export(self.model, self.ep)   # every rank, before any step
         lock = None
         if self.main and not outdir.holds(self.args.output_dir):
             lock = outdir.claim(self.args.output_dir)
