@@ -103,6 +103,13 @@ def test_moe_tp2_split_is_real(runs, name):
                 g, l = shapes[n]
                 assert g == l and g[1] in (4, 1), (n, g, l)
         assert r["engine_reshards"] == {}
+        # what the training steps communicated: all-reduces only (never an all-gather), of
+        # vectors / scalars, the vocabulary-parallel loss's [targets, 1 or 2] and [tokens, H]
+        # activations (LoRA: [tokens, r = 4]); no 2-D
+        # tensor with an expert-width axis (a gate/up weight or its slice, [H, I] / [H, I/2])
+        H = shapes[f"model.layers.1.{block}.gate.weight"][0][0]
+        assert r["comm"] and all(op.startswith("all_reduce") for op, _ in r["comm"]), r["comm"][:5]
+        assert all(len(s) < 2 or s[-1] in (H, 4, 2, 1) for _, s in r["comm"]), sorted({tuple(s) for _, s in r["comm"]})
 
 
 def test_layout_checks():
