@@ -111,6 +111,7 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         out = orig(m, b)
         widths.append(int(out.label_logits.shape[-1]) if out.label_logits is not None else None)
         return out
+    loss_fn.token_loss = getattr(orig, "token_loss", False)   # (MoE: token loss + aux terms)
     trainer.loss_fn = loss_fn
     metrics = trainer.evaluate()
     hist = trainer.state["log_history"]

@@ -211,6 +211,11 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         raise ValueError(f"{path}: a Mixture-of-Experts model ({cfg.model_type}) has no pipeline-"
                          "parallel form yet (the router's load-balancing loss spans every stage): "
                          "set pipeline_parallel_degree to 1")
+    if getattr(cfg, "moe", None) and topology is not None and topology.tp_degree > 1 and topology.ep_degree > 1:
+        raise ValueError(f"{path}: tensor_parallel_degree {topology.tp_degree} with "
+                         f"expert_parallel_degree {topology.ep_degree}: tensor and expert "
+                         "parallel together are not built for Mixture-of-Experts models; set "
+                         "one of them to 1")
     if topology is not None and topology.ep_degree > 1:
         from ..parallel.expert import check_experts
 

@@ -273,11 +273,25 @@ for _mt, _arch, _tiny_cfg, _tmpl in (
         attention_module="self_attn"))
 
 # Mixture-of-Experts members (models/moe.py). Module names = the per-expert layout transformers 5
-# writes (hf.py also reads its fused in-memory layout, ModelSpec.fused_experts). No tensor-parallel
-# plan yet (tensor_parallel_degree > 1 is refused) and no expert parallel.
+# writes (hf.py also reads its fused in-memory layout, ModelSpec.fused_experts). Tensor parallel:
+# attention as Llama's; every expert's gate/up (Mixtral w1/w3, Qwen2-MoE gate_proj/up_proj, the
+# shared expert's too) column, down (w2 / down_proj) row; the router `gate` [H, E] and
+# `shared_expert_gate` [H, 1] are not in the plan: whole on every rank, fed the replicated hidden
+# state, so every rank routes (and computes the aux loss) identically.
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
               "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _moe_tp_plan(model_type):
+    """Llama's plan plus the experts' names (Mixtral: w1 / w3 column, w2 row); Qwen2-MoE's
+    experts, shared expert and dense layers use gate_proj / up_proj / down_proj as Llama's MLP."""
+    plan = {k: v for k, v in _TP_PLAN.items() if k not in ("q_norm", "k_norm")}
+    _, gate, up, down = _MOE_NAMES[model_type]
+    plan.update({gate: "column", up: "column", down: "row"})
+    return plan
+
+
 for _mt, _arch, _tiny_cfg, _tmpl, _mlp in (
         ("mixtral", "MixtralForCausalLM",
          _tiny("mixtral", intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
@@ -294,7 +308,8 @@ for _mt, _arch, _tiny_cfg, _tmpl, _mlp in (
         not_linear=("model.embed_tokens.weight",),
         # attention and every expert (shared expert included); the router (`.*\.gate$`) can be
         # added through lora_target_modules
-        lora_targets=tuple(rf".*\.{n}$" for n in _ATTN + _mlp), tp_plan={},
+        lora_targets=tuple(rf".*\.{n}$" for n in _ATTN + _mlp), tp_plan=_moe_tp_plan(_mt),
         prefix_layout=_prefix_layout, adapter_targets=(r".*\.o_proj$",),
         tiny_config=_tiny_cfg, default_chat_template=_tmpl, attention_module="self_attn",
+        tp_parts=_tp_parts,
         fused_experts=_MOE_NAMES[_mt], quant_keep=(r".*\.gate", r".*\.shared_expert_gate")))

@@ -96,9 +96,9 @@ def lm_loss_for(model):
     tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False); a
     Mixture-of-Experts model's adds the router's load-balancing loss (moe_causal_lm_loss)."""
     if getattr(model, "tensor_parallel", None) is not None:
-        from ..parallel.vocab import tp_causal_lm_loss
+        from ..parallel.vocab import tp_causal_lm_loss, tp_moe_causal_lm_loss
 
-        return tp_causal_lm_loss
+        return tp_moe_causal_lm_loss if getattr(model.config, "moe", None) else tp_causal_lm_loss
     if getattr(model.config, "moe", None):
         return moe_causal_lm_loss
     return causal_lm_loss

@@ -223,6 +223,24 @@ def check_layout(spec, config, degree):
     elif kv % degree:
         raise ValueError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_degree "
                          f"({degree}); choose a degree that divides it")
+    moe = getattr(config, "moe", None)
+    if moe:
+        mixtral = "num_local_experts" in (getattr(config, "raw", None) or {})
+        key = "intermediate_size" if mixtral else "moe_intermediate_size"
+        if moe["expert_size"] % degree:
+            raise ValueError(f"{key} ({moe['expert_size']}, each expert's width) is not divisible "
+                             f"by tensor_parallel_degree ({degree}): every expert's gate/up "
+                             "columns and down rows are split over the ranks; choose a degree "
+                             "that divides it")
+        if moe["shared_size"] and moe["shared_size"] % degree:
+            raise ValueError(f"shared_expert_intermediate_size ({moe['shared_size']}) is not "
+                             f"divisible by tensor_parallel_degree ({degree}); choose a degree "
+                             "that divides it")
+        from ..models.moe import is_sparse_layer
+
+        dense = any(not is_sparse_layer(moe, i) for i in range(config.num_hidden_layers))
+        if not dense:   # Mixtral's intermediate_size is the experts' (checked above)
+            return
     inter = config.intermediate_size
     if inter % degree:
         raise ValueError(f"intermediate_size ({inter}) is not divisible by tensor_parallel_degree "

@@ -352,7 +352,12 @@ class Trainer:
     def _grad(self, p):
         if p.grad is None:
             return paddle.zeros(self._local(p).shape, p.dtype)
-        return self._local(p.grad)
+        g = self._local(p.grad)
+        if not g._is_initialized():
+            # a DTensor gradient left without memory (a Mixture-of-Experts expert no token chose
+            # in this step under tensor parallel): zero, as an unused parameter's
+            return paddle.zeros(self._local(p).shape, p.dtype)
+        return g
 
     # ---------------------------------------------------------------- loop
     def train(self):
