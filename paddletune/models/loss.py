@@ -95,12 +95,12 @@ def lm_loss_for(model):
     """The causal-LM loss function for `model`: this module's, or the vocabulary-parallel one of a
     tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False); a
     Mixture-of-Experts model's adds the router's load-balancing loss (moe_causal_lm_loss)."""
-    if getattr(model, "tensor_parallel", None) is not None:
-        from ..parallel.vocab import tp_causal_lm_loss, tp_moe_causal_lm_loss
-
-        return tp_moe_causal_lm_loss if getattr(model.config, "moe", None) else tp_causal_lm_loss
     if getattr(model.config, "moe", None):
         return moe_causal_lm_loss
+    if getattr(model, "tensor_parallel", None) is not None:
+        from ..parallel.vocab import tp_causal_lm_loss
+
+        return tp_causal_lm_loss
     return causal_lm_loss
 
 
@@ -150,11 +150,16 @@ def moe_causal_lm_loss(model, batch, keep_logits=False):
     """causal_lm_loss of a Mixture-of-Experts model in the Trainer: the batch's attention_mask
     (which the Trainer passes for this loss: `batch_keys`) marks the real tokens of the
     load-balancing loss only; the model runs on the same inputs as every other family's (right
-    padding, causal attention), so padded positions do not count in the router statistics."""
+    padding, causal attention), so padded positions do not count in the router statistics.
+    Under tensor parallel the token loss runs on this rank's vocabulary shard; the router runs
+    whole on every rank on the replicated hidden state, so the aux loss is the same on each."""
+    token_loss = hidden_loss
+    if getattr(model, "tensor_parallel", None) is not None:
+        from ..parallel.vocab import tp_hidden_loss as token_loss
     mask = batch.get("attention_mask")
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
     out = model(**inputs, return_hidden=True)
-    loss = hidden_loss(model, out.hidden_states, batch["labels"], keep_logits)
+    loss = token_loss(model, out.hidden_states, batch["labels"], keep_logits)
     return with_router_loss(model, loss, out.router_logits, mask)
 
 

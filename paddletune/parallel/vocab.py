@@ -129,25 +129,6 @@ def tp_causal_lm_loss(model, batch, keep_logits=False):
     return tp_hidden_loss(model, hidden, batch["labels"], keep_logits)
 
 
-def tp_moe_causal_lm_loss(model, batch, keep_logits=False):
-    """models.loss.moe_causal_lm_loss for a tensor-parallel Mixture-of-Experts model: the token
-    loss on this rank's vocabulary shard plus the router's load-balancing loss. The router runs
-    whole on every rank on the replicated hidden state, so its logits, and the aux loss, are the
-    same on every tensor-parallel rank (nothing to communicate for it)."""
-    from ..models.loss import with_router_loss
-
-    mask = batch.get("attention_mask")
-    inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
-    out = model(**inputs, return_hidden=True)
-    loss = tp_hidden_loss(model, out.hidden_states, batch["labels"], keep_logits)
-    return with_router_loss(model, loss, out.router_logits, mask)
-
-
-tp_moe_causal_lm_loss.batch_keys = ("attention_mask",)
-tp_moe_causal_lm_loss.metric_names = ("aux_loss",)
-tp_moe_causal_lm_loss.token_loss = True
-
-
 def tp_hidden_loss(model, hidden, labels, keep_logits=False):
     """models.loss.hidden_loss on this rank's vocabulary shard (hidden [B, S, H] replicated)."""
     tp = model.tensor_parallel
