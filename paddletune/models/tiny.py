@@ -152,7 +152,7 @@ def builtin_model_dir(name):
     tok_dir = os.path.join(ASSETS, overrides.pop("tokenizer", "tiny-tokenizer"))
     weights = pretrained_weights(name)
     key = json.dumps([model_type, overrides, _tokenizer_digest(tok_dir), BUILTIN_CHAT_TEMPLATE]
-                     + ([_file_digest(weights)] if weights else []), sort_keys=True)
+                     + ([_weights_digest(weights)] if weights else []), sort_keys=True)
     tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
     path = os.path.join(home, f"{name.split('/')[-1]}-{tag}")
@@ -202,11 +202,20 @@ def _file_digest(path):
         return hashlib.sha1(f.read()).hexdigest()[:10]
 
 
+def _weights_digest(weights):
+    """The sha256 the recipe recorded in pretrained.json beside `weights` (no 4 MB read on every
+    resolve of a built-in name); the file's own digest when the record is missing."""
+    record = os.path.join(os.path.dirname(weights), "pretrained.json")
+    if os.path.isfile(record):
+        with open(record) as f:
+            return json.load(f)["sha256"][:10]
+    return _file_digest(weights)
+
+
 def _tokenizer_digest(tok_dir=TINY_TOKENIZER):
     name = next((n for n in ("tokenizer.json", "tokenizer.model", "qwen.tiktoken", "ice_text.model")
                  if os.path.exists(os.path.join(tok_dir, n))), "tokenizer.model")
-    with open(os.path.join(tok_dir, name), "rb") as f:
-        return hashlib.sha1(f.read()).hexdigest()[:10]
+    return _file_digest(os.path.join(tok_dir, name))
 
 
 if __name__ == "__main__":  # regenerate the shipped tokenizer from the sample dataset
