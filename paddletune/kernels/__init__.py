@@ -90,6 +90,11 @@ def _build():
     with open(build_dir + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one build per key, however many ranks start at once
         try:
+            # another process may have finished the build while this one waited for the lock:
+            # building again would replace the library under the processes already loading it
+            mod = _load_built(name, os.path.join(build_dir, name)) if os.path.exists(done) else None
+            if mod is not None:
+                return mod
             with _quiet_build():
                 mod = load(name=name, sources=[SOURCE], extra_cxx_cflags=CFLAGS,
                            extra_ldflags=ldflags, build_directory=build_dir, verbose=False)

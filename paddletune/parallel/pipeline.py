@@ -112,55 +112,70 @@ class Pipeline:
         self.trace = None   # when a list: ("F"|"B", micro-batch) and sends/recvs, in order
         self.replicated = set()   # trainable names held whole on every stage (a prefix encoder)
         tied = model.get_output_embeddings() is None and self.num_stages > 1
-        self.tied_group = self._tied_group() if tied else None
+        pairs = self._pair_groups(tied)
+        # point-to-point goes over the 2-rank group of the two stages (see _pair_groups)
+        self.prev_group = pairs.get((self.prev, topo.rank)) if self.prev is not None else None
+        self.next_group = pairs.get((topo.rank, self.next)) if self.next is not None else None
+        self.tied_group = pairs.get((ranks[0], ranks[-1])) if tied else None
         # the tied embedding's name where this stage holds a copy (first and last stage)
         self.tied_name = None
         if tied and (self.first or self.last):
             w = model.get_input_embeddings().weight
             self.tied_name = next(n for n, p in model.named_parameters() if p is w)
 
-    def _tied_group(self):
-        """The {first stage, last stage} group of this (dp, tp) coordinate: the tied embedding's
-        two copies get their gradients summed there. Every rank creates every such group."""
-        from .cpu_compat import new_group
+    def _pair_groups(self, tied):
+        """{(rank a, rank b): 2-rank group} for every pair of adjacent stages of every replica (and
+        the {first, last stage} pair when the embedding is tied: its two copies get their
+        gradients summed there); every rank creates every such group, in the same order.
 
+        Why point-to-point needs its own groups: a gloo process group gives every operation,
+        sends and receives included, the next number of one per-group counter as its tag, so
+        a collective matches only if every member issued equally many operations on the group
+        before it. Sends over the world group break that whenever replicas exchange different
+        numbers of activations (an evaluation whose last, short share leaves one data rank with
+        no batch; pipelines of 3+ stages, whose middle stages send and receive more than the
+        ends), and the next world collective (a checkpoint's all_gather) waits forever. On a
+        pair group every send has its receive, so both counters stay equal."""
+        from .cpu_compat import new_group
         from .topology import group_ranks
 
-        seen, mine = [], None
+        wanted = []
         for r in range(self.topo.world_size):
             ranks = group_ranks(r, self.topo.degrees, "pp")
-            pair = [ranks[0], ranks[-1]]
-            if pair in seen:
-                continue
-            seen.append(pair)
-            g = new_group(pair, self.topo.world_size)
-            if self.topo.rank in pair:
-                mine = g
-        return mine
+            pairs = list(zip(ranks[:-1], ranks[1:])) + ([(ranks[0], ranks[-1])] if tied else [])
+            wanted += [p for p in pairs if p not in wanted]
+        made = {}
+        for pair in wanted:
+            if tuple(sorted(pair)) not in made:
+                made[tuple(sorted(pair))] = new_group(list(pair), self.topo.world_size)
+        return {p: made[tuple(sorted(p))] for p in wanted if self.topo.rank in p}
 
     # ------------------------------------------------------------------ point to point
     def _log(self, *event):
         if self.trace is not None:
             self.trace.append(event)
 
+    def _pair(self, peer):
+        return self.prev_group if peer == self.prev else self.next_group
+
     def send_activation(self, t, peer, grad=False):
         if not grad:   # the receiver learns the shape first: every micro-batch may differ
             header = paddle.to_tensor(np.array(list(t.shape) + [0] * (4 - t.ndim) + [t.ndim], np.int64))
-            dist.send(header, dst=peer)
+            dist.send(header, dst=peer, group=self._pair(peer))
         self._log("send_grad" if grad else "send", peer, list(t.shape))
-        dist.send(t.contiguous() if hasattr(t, "contiguous") else t, dst=peer)
+        dist.send(t.contiguous() if hasattr(t, "contiguous") else t, dst=peer, group=self._pair(peer))
 
     def recv_activation(self, peer, like=None):
         """Receive an activation (shape from its header) or, with `like`, a gradient of its shape."""
         if like is None:
             header = paddle.zeros([5], "int64")
-            dist.recv(header, src=peer)
+            dist.recv(header, src=peer, group=self._pair(peer))
             h = header.numpy().tolist()
             shape = h[:h[4]]
         else:
             shape = list(like.shape)
         buf = paddle.zeros(shape, "float32" if like is None else like.dtype)
-        dist.recv(buf, src=peer)
+        dist.recv(buf, src=peer, group=self._pair(peer))
         self._log("recv_grad" if like is not None else "recv", peer, shape)
         return buf
 
