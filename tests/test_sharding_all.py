@@ -1,5 +1,6 @@
 """Everything in one run (PaddleNLP's claim): nf4 QLoRA on a quantized backbone under TP2 x PP2 x
-sharding over 2 ranks = 8 launched processes, two cases in ONE launch:
+sharding over 2 ranks = 8 launched processes, three cases in ONE launch (pp4: DP2 x PP4 with a
+checkpoint, below):
 
 stage3  (tp_cases.train_case, a tiny 4-block Llama): losses, grad norms, eval and the trained
         adapter tensors equal one process at the same global batch (micro 2 x accumulation 2 x 2
@@ -71,6 +72,8 @@ def runs(tmp_path_factory):
     kw = {"method": "qlora", "quant": "nf4", "lr": 2e-2}
     got = launch_cases([("stage3", "tp_cases:train_case", dict(kw, ckpt=ck3, out_dir=str(base / "s3"), micro=2,
                                                                tp=2, pp=2, sharding="stage3")),
+                        ("pp4", "tp_cases:train_case", dict(kw, ckpt=ck3, out_dir=str(base / "pp4"), micro=2,
+                                                            pp=4, save_steps=2)),
                         ("stage1", "tp_cases:script_main",
                          {"relpath": SCRIPT, "argv": _stage1_argv(ck1, data, str(base / "s1"), 2, True)})],
                        base / "eight", nproc=8, timeout=1200)
@@ -92,6 +95,20 @@ def test_qlora_tp2_pp2_sharding_stage3_on_eight_processes(runs):
         assert h["optimizer_numel"] == total          # 2 moments of half the slice
         assert h["shard"]["grad_numel"] == h["resident"] == total // 2, h
     assert len({frozenset(r["shapes"]) for r in got}) == 2   # two pipeline stages' tensors
+
+
+def test_qlora_dp2_pp4_with_a_checkpoint_on_eight_processes(runs):
+    """4 stages x 2 data ranks, a checkpoint at step 2 (a world-group all_gather after the
+    steps): the middle stages send and receive twice as often as the end ones, which hung the
+    checkpoint while activations went over the world group. Equals the one-process run."""
+    from test_sharding import _compare
+
+    base, got, ref, _ = runs
+    got = got["pp4"]
+    _compare(got, ref, base / "pp4", base / "s3_single")
+    assert got[0]["degrees"] == {"dp": 2, "pp": 4, "sharding": 1, "tp": 1}
+    assert len({frozenset(r["shapes"]) for r in got}) == 4   # four stages' tensors
+    assert os.path.isfile(base / "pp4" / "checkpoint-2" / "shards.json")
 
 
 def _log(d):
