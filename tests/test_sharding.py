@@ -273,12 +273,21 @@ def test_offloaded_adamw_equals_the_device_update():
         out[offload] = (p.numpy(), opt.state_dict()[0]["w.exp_avg_sq"])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=0, atol=1e-7)
     np.testing.assert_allclose(out[True][1], out[False][1], rtol=0, atol=1e-9)
-    p16 = paddle.to_tensor(w0).astype("bfloat16")
+    p16 = paddle.to_tensor(w0).astype("bfloat16")   # a plain tensor (stop_gradient), as a local shard
+    start = p16.astype("float32").numpy()
     opt = optim.AdamW([("w", p16)], offload=True)
     for g in grads:
         opt.step({"w": paddle.to_tensor(g).astype("bfloat16")}, 1e-3)
     master = opt.master["w"].numpy()
-    assert master.dtype == np.float32 and np.abs(master - w0).max() > 0   # updates kept in float32
+    # the float32 master took the float32 updates: as a float32 parameter from the same start with
+    # the same (bfloat16) gradients
+    p32 = paddle.create_parameter([30, 20], "float32")
+    p32.set_value(start)
+    opt32 = optim.AdamW([("w", p32)])
+    for g in grads:
+        opt32.step({"w": paddle.to_tensor(g).astype("bfloat16").astype("float32")}, 1e-3)
+    assert master.dtype == np.float32 and np.abs(master - start).max() > 1e-3
+    np.testing.assert_allclose(master, p32.numpy(), rtol=0, atol=1e-7)
     np.testing.assert_allclose(p16.astype("float32").numpy(), master, rtol=1e-2, atol=1e-2)
 
 

@@ -57,9 +57,13 @@ class AdamW:
         decay = {t.name: not no_decay(n, self.params[n]) for n, t in self.targets.items()}
         groups = {}
         for n, t in self.targets.items():
-            if getattr(t, "optimize_attr", None) is None:   # a plain tensor (a DTensor's local
-                t.optimize_attr = {"learning_rate": 1.0}    # shard, a host copy): where paddle
-            groups.setdefault(float(self.lr_scales.get(n, 1.0)), []).append(t)   # keeps its lr scale
+            # a plain tensor (a DTensor's local shard, a host copy) made to look like a trainable
+            # parameter: paddle's optimizer skips stop_gradient ones and keeps a group's lr scale
+            # in optimize_attr
+            t.stop_gradient = False
+            if getattr(t, "optimize_attr", None) is None:
+                t.optimize_attr = {"learning_rate": 1.0}
+            groups.setdefault(float(self.lr_scales.get(n, 1.0)), []).append(t)
         self.opt = paddle.optimizer.AdamW(
             learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
             parameters=[{"params": ts, "learning_rate": s} for s, ts in groups.items()],
