@@ -1,33 +1,34 @@
-"""AdamW with state keyed by full-model parameter names, and learning-rate schedules.
+"""AdamW on paddle.optimizer.AdamW with state named like the model, and learning-rate schedules.
 
-Own implementation (not paddle.optimizer.AdamW) so that optimizer state is named like the model
-(layout-independent checkpoints, no pickle) and gradients arrive explicitly (after the
-data-parallel reduction and clipping done by the trainer). paddle's fused adamw_ kernel does the
-update where it exists; `_reference_update` is the same formula in plain ops. As torch.optim.AdamW:
+paddle's optimizer does the update (fleet's HybridParallelOptimizer, PipelineParallel.train_batch,
+paddle.amp.decorate and GradScaler need a paddle.optimizer.Optimizer); this wrapper adds what the
+trainer needs around it. As torch.optim.AdamW (paddle's fused adamw_ kernel folds the corrections:
+p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update):
     p <- p * (1 - lr * wd)                                  (decay params only)
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+- LoRA+ learning-rate scales are parameter groups: paddle gives a group's parameters the
+  learning rate  group["learning_rate"] * the optimizer's lr  (param.optimize_attr).
+- The no-decay rule (`no_decay`) goes through apply_decay_param_fun (called with param.name).
+- The learning rate of each step comes from the trainer (`lr_at`): set_lr fills paddle's lr
+  tensor in place (no host sync).
+- Gradients arrive explicitly (after the trainer's data-parallel reduction and clipping, a
+  DTensor's local slice): each group's (parameter, gradient) pairs go to the same
+  _apply_optimize call paddle's step() makes with the .grad it reads.
+- One map from paddle's names (param.name: the key of its moment1_0 / moment2_0 /
+  beta1_pow_acc_0 / beta2_pow_acc_0 accumulators) to full-model names keeps the checkpoint format:
+  "<name>.exp_avg", "<name>.exp_avg_sq" and the step count; paddle's beta-power accumulators
+  are set to b^t from the step count before each step (so a resume needs nothing else).
+- offload (sharding's "stage1 offload" on a GPU): paddle.optimizer.AdamW has no host-memory
+  option for its moments, so paddle's optimizer here runs on float32 host copies of the
+  parameters (a float16 / bfloat16 parameter's copy is its float32 master): per step the gradient
+  goes to the host, the host copy is updated, and the parameter copied back. Written for GPUs,
+  where it is untested; a CPU build has one memory, and the trainer does not turn it on there.
 """
 import math
 
 import numpy as np
 import paddle
-
-
-_FUSED = {}
-
-
-def _fused_adamw():
-    """paddle's fused in-place AdamW kernel (one pass over each tensor instead of ~8 with
-    temporaries: 7x faster on a [32000, 256] embedding), or None when this paddle lacks it or
-    PADDLETUNE_FUSED_ADAMW=0. It computes the same update with the bias corrections folded:
-    p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)); tests pin it to the reference."""
-    if "op" not in _FUSED:
-        import os
-
-        op = getattr(getattr(paddle, "_C_ops", None), "adamw_", None)
-        _FUSED["op"] = op if os.environ.get("PADDLETUNE_FUSED_ADAMW", "1") != "0" else None
-    return _FUSED["op"]
 
 
 def no_decay(name, param):
@@ -36,100 +37,102 @@ def no_decay(name, param):
 
 
 class AdamW:
-    """offload: the moments (and, for a float16 / bfloat16 parameter, its float32 master copy,
-    made at the first step) live in host memory and the update runs there (sharding's
-    "stage1 offload" on a GPU): per tensor, the gradient is copied to the host, the host copy
-    updated, and the parameter copied back. Written for GPUs, where it is untested; a CPU build
-    has one memory, and the trainer does not turn it on there."""
+    """named_params: (full name, tensor to update: a parameter or a DTensor's local shard);
+    lr_scales: {name: learning-rate multiplier}. Attributes the trainer reads: params,
+    exp_avg / exp_avg_sq ({name: moment tensor}), t (steps taken)."""
 
     def __init__(self, named_params, lr_scales=None, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, offload=False):
         self.params = dict(named_params)
         self.b1, self.b2 = betas
-        self.eps = eps
-        self.weight_decay = weight_decay
-        self.lr_scales = lr_scales or {}  # name -> multiplier (e.g. LoRA+ for B matrices)
-        self.decay = {n: not no_decay(n, p) for n, p in self.params.items()}
         self.offload = offload
-        self.master = {}   # offload: name -> float32 host copy of a low-precision parameter
-        self.exp_avg = {n: self._zeros(p.shape) for n, p in self.params.items()}
-        self.exp_avg_sq = {n: self._zeros(p.shape) for n, p in self.params.items()}
+        self.lr_scales = lr_scales or {}
+        # the tensors paddle's optimizer updates: the parameters, or their host copies (offload)
+        self.targets = {n: self._host_copy(n, p) if offload else p for n, p in self.params.items()}
+        self.master = {n: self.targets[n] for n, p in self.params.items()
+                       if offload and p.dtype != paddle.float32}
+        self.full_name = {t.name: n for n, t in self.targets.items()}   # paddle name -> model name
+        if len(self.full_name) != len(self.targets):
+            raise ValueError("two optimizer tensors share a paddle name: their state would mix")
+        decay = {t.name: not no_decay(n, self.params[n]) for n, t in self.targets.items()}
+        groups = {}
+        for n, t in self.targets.items():
+            # a plain tensor (a DTensor's local shard, a host copy) made to look like a trainable
+            # parameter: paddle's optimizer skips stop_gradient ones and keeps a group's lr scale
+            # in optimize_attr
+            t.stop_gradient = False
+            if getattr(t, "optimize_attr", None) is None:
+                t.optimize_attr = {"learning_rate": 1.0}
+            groups.setdefault(float(self.lr_scales.get(n, 1.0)), []).append(t)
+        self.opt = paddle.optimizer.AdamW(
+            learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
+            parameters=[{"params": ts, "learning_rate": s} for s, ts in groups.items()],
+            apply_decay_param_fun=lambda pname: decay[pname])
+        block = paddle.static.default_main_program().global_block()
+        for group in self.opt._param_groups:   # moments now (checkpoint load, state accounting)
+            self.opt._create_accumulators(block, group)
         self.t = 0
+        self._synced = not offload   # offload: host copies refreshed at the first step (resume)
 
-    def _zeros(self, shape):
-        z = paddle.zeros(shape, "float32")
-        return z.cpu() if self.offload else z
+    def _host_copy(self, n, p):
+        t = p.cpu().astype("float32")
+        t.name = f"offload.{n}"
+        return t
 
-    def _full(self, value):
-        t = paddle.full([1], value, "float32")
-        return t.cpu() if self.offload else t
+    def _acc(self, kind, n):
+        return self.opt._accumulators[kind][self.targets[n].name]
 
-    def _host_copy(self, n, param):
-        """Offload: the float32 host tensor the update runs on (a kept master copy for a low-
-        precision parameter, else a fresh copy of the parameter)."""
-        if param.dtype == paddle.float32:
-            return param.cpu()
-        if n not in self.master:
-            self.master[n] = param.cpu().astype("float32")
-        return self.master[n]
+    @property
+    def exp_avg(self):
+        return {n: self._acc(self.opt._moment1_acc_str, n) for n in self.params}
+
+    @property
+    def exp_avg_sq(self):
+        return {n: self._acc(self.opt._moment2_acc_str, n) for n in self.params}
 
     @paddle.no_grad()
     def step(self, grads, lr):
         """grads: {name: tensor}; parameters without a gradient are left untouched."""
         self.t += 1
-        fused = _fused_adamw()
-        if fused is not None:
-            lrs = {}   # lr tensor per distinct scale (the kernel's lr_ratio is not applied on CPU)
-            pows = (self._full(self.b1 ** self.t), self._full(self.b2 ** self.t))
-        for n, param in self.params.items():
-            g = grads.get(n)
-            if g is None:
-                continue
-            p = param
-            if self.offload:   # the update on host copies; the parameter copied back below
-                p, g = self._host_copy(n, param), g.cpu().astype("float32")
-            if fused is not None and p.dtype == paddle.float32 and g.dtype == paddle.float32:
-                scale = self.lr_scales.get(n, 1.0)
-                if scale not in lrs:
-                    lrs[scale] = self._full(lr * scale)
-                fused(p, g, lrs[scale], self.exp_avg[n], self.exp_avg_sq[n], None, pows[0], pows[1],
-                      None, None, self.b1, self.b2, self.eps, 1.0,
-                      self.weight_decay if self.decay[n] else 0.0, self.decay[n], False, 1000,
-                      False, True, False)
-            else:
-                self._reference_update(n, p, g, lr)
-            if self.offload:
-                param.set_value(p.astype(param.dtype))
-
-    def _reference_update(self, n, p, g, lr):
-        """The update written out in paddle ops (the docstring's formula)."""
-        bc1 = 1 - self.b1 ** self.t
-        bc2_sqrt = math.sqrt(1 - self.b2 ** self.t)
-        g = g.astype("float32")
-        plr = lr * self.lr_scales.get(n, 1.0)
-        m, v = self.exp_avg[n], self.exp_avg_sq[n]
-        m.scale_(self.b1).add_(g.scale(1 - self.b1))
-        v.scale_(self.b2).add_((g * g).scale(1 - self.b2))
-        if self.decay[n] and self.weight_decay:
-            p.scale_(1 - plr * self.weight_decay)
-        denom = v.sqrt().scale(1.0 / bc2_sqrt).add_(paddle.full([], self.eps, "float32"))
-        p.subtract_((m / denom).scale(plr / bc1).astype(p.dtype))
+        if not self._synced:   # the parameters as they are now (a resume loaded them)
+            for n, p in self.params.items():
+                self.targets[n].set_value(p.cpu().astype("float32"))
+            self._synced = True
+        self.opt.set_lr(float(lr))
+        # b^t from python (as the old AdamW and torch): the kernel's running float32 product
+        # drifts by an ulp, which 1 - b2^t (~1e-3) turns into ~1e-5 relative on the update
+        pows = ((self.opt._beta1_pow_acc_str, self.b1 ** self.t), (self.opt._beta2_pow_acc_str, self.b2 ** self.t))
+        for group in self.opt._param_groups:
+            pairs = []
+            for t in group["params"]:
+                g = grads.get(self.full_name[t.name])
+                if g is not None:
+                    pairs.append((t, g.cpu().astype("float32") if self.offload else g))
+                    for kind, value in pows:
+                        self.opt._accumulators[kind][t.name].fill_(value)
+            if pairs:
+                self.opt._apply_optimize(None, None, dict(group, params=pairs))
+        if self.offload:
+            for n, p in self.params.items():
+                if n in grads:
+                    p.set_value(self.targets[n].astype(p.dtype))
 
     def state_dict(self):
         """{name.exp_avg / name.exp_avg_sq: np.ndarray}, plus the step count (for JSON)."""
         tensors = {}
         for n in self.params:
-            tensors[f"{n}.exp_avg"] = self.exp_avg[n].numpy()
-            tensors[f"{n}.exp_avg_sq"] = self.exp_avg_sq[n].numpy()
+            tensors[f"{n}.exp_avg"] = self._acc(self.opt._moment1_acc_str, n).numpy()
+            tensors[f"{n}.exp_avg_sq"] = self._acc(self.opt._moment2_acc_str, n).numpy()
         return tensors, {"step": self.t}
 
     def load_state_dict(self, tensors, meta):
+        self.t = int(meta["step"])
         for n in self.params:
-            for key, store in ((f"{n}.exp_avg", self.exp_avg), (f"{n}.exp_avg_sq", self.exp_avg_sq)):
+            for key, kind in ((f"{n}.exp_avg", self.opt._moment1_acc_str),
+                              (f"{n}.exp_avg_sq", self.opt._moment2_acc_str)):
                 if key not in tensors:
                     raise ValueError(f"optimizer state lacks {key}: checkpoint from a different setup?")
-                store[n].set_value(np.asarray(tensors[key], np.float32))
-        self.t = int(meta["step"])
+                self._acc(kind, n).set_value(np.asarray(tensors[key], np.float32))
 
 
 def lr_at(step, total, base_lr, warmup=0, kind="linear", min_lr=0.0):
