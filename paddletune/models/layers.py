@@ -474,4 +474,5 @@ def init_weights(model, std=0.02, seed=0):
             val = np.ones(p.shape, np.float32)
         else:
             val = (rng.standard_normal(p.shape) * std).astype(np.float32)
-        p.set_value(val)
+        # the same float32 draw for every dtype (a float64 model starts from the float32 one)
+        p.set_value(val if p.dtype == paddle.float32 else paddle.to_tensor(val).astype(p.dtype))
