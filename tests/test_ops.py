@@ -229,3 +229,24 @@ def test_column_choice_is_logged_once_and_forced_by_env():
         assert r.returncode == 0, r.stderr[-1000:]
         assert r.stdout.split()[-1] == want
         assert r.stderr.count("op table:") == 1, r.stderr
+
+
+def test_quantized_gpu_entries_bind_and_nf4_fp4_use_paddletune_dequantization(monkeypatch):
+    """weight_only_linear / weight_quantize get arguments that bind to paddle's signatures; nf4 and
+    fp4 have no paddle kernel: never eligible for it, even in the gpu column on a CUDA build."""
+    from types import SimpleNamespace
+
+    from paddle.nn.quant import weight_only_linear, weight_quantize
+
+    from paddletune.quant import ALGORITHMS, gpu
+
+    for algo, bs in (("weight_only_int8", 64), ("weight_only_int4", 64)):
+        layer = SimpleNamespace(algo=ALGORITHMS[algo], blocksize=bs, fused_weight=paddle.zeros([8, 64], "int8"),
+                                fused_scale=paddle.ones([8]))
+        _sig(weight_only_linear, *gpu.weight_only_linear_args(paddle.zeros([2, 64]), layer))
+        _sig(weight_quantize, *gpu.weight_quantize_args(paddle.zeros([64, 8]), layer))
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    for algo in ("nf4", "fp4"):
+        layer = SimpleNamespace(algo=ALGORITHMS[algo], block_axis="in", blocksize=64, in_features=64)
+        with ops.use("gpu"):
+            assert ALGORITHMS[algo].fused_dtype is None and not gpu._eligible(paddle.zeros([2, 64]), layer)
