@@ -60,6 +60,19 @@ DESCRIBE = {
 }
 
 
+def compute_dtype(requested=None, declared="float32", on_gpu=None):
+    """The dtype a model runs in: `requested` (e.g. the predictor's --dtype) or else the
+    checkpoint's `declared` one (config.json torch_dtype). On CPU, float16 / bfloat16 become
+    float32 (paddle's CPU kernels have no 16-bit matmul), said in one log line."""
+    dtype = requested or declared or "float32"
+    if on_gpu is None:
+        on_gpu = paddle.is_compiled_with_cuda() and "gpu" in paddle.device.get_device()
+    if dtype in ("float16", "bfloat16") and not on_gpu:
+        logger.info("dtype %s: computing in float32 on CPU (paddle's CPU has no %s matmul)", dtype, dtype)
+        return "float32"
+    return dtype
+
+
 def gpu():
     """True when the gpu column runs."""
     return column() == "gpu"
