@@ -185,8 +185,8 @@ def attention(q, k, v, bias, dropout, training, scale, causal, neg):
     qs, ks, vs = (t.transpose([0, 2, 1, 3]) for t in (q, k, v))   # paddle's [B, S, heads, D]
     if hasattr(bias, "blocks"):
         return _packed(qs, ks, vs, bias, p, training, scale, neg).reshape([B, S, N * D])
-    if causal:
-        out = _flash_causal(qs, ks, vs, p, training, scale)
+    if causal and (not _on_gpu(qs) or qs.dtype in (paddle.float16, paddle.bfloat16)):
+        out = _flash_causal(qs, ks, vs, p, training, scale)   # (GPU flash kernels: 16-bit only)
     else:
         out = _sdpa(qs, ks, vs, bias, p, training, scale, neg)
     return out.reshape([B, S, N * D])
@@ -237,7 +237,7 @@ def flashmask_args(qs, ks, vs, layout, p, training, scale):
 
 
 def _packed(qs, ks, vs, layout, p, training, scale, neg):
-    if _on_gpu(qs):
+    if _on_gpu(qs) and qs.dtype in (paddle.float16, paddle.bfloat16):
         from paddle.nn.functional.flash_attention import flashmask_attention
 
         args, kwargs = flashmask_args(qs, ks, vs, layout, p, training, scale)
