@@ -223,7 +223,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     data-parallel layout holds all of it. `quant` (a QuantArgument with weight_quantize_algo set,
     or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
     are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
-    allocates its weight."""
+    allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md)."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
     if getattr(cfg, "moe", None) and topology is not None and topology.pp_degree > 1:
