@@ -61,7 +61,7 @@ class PredictorArgument:
     repetition_penalty: float = F(1.0, "penalise tokens already in prompt or answer (1 = off)")
     seed: int = F(42, "sampling seed: the same seed and inputs give the same outputs")
     device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])
-    dtype: Optional[str] = F(None, "PaddleNLP's model dtype; weights are computed in float32 on CPU", "no_effect", "float32 is used")
+    dtype: Optional[str] = F(None, "model dtype: float32, float16, bfloat16 or float64 (default: the checkpoint's torch_dtype); float16 / bfloat16 compute in float32 on CPU", choices=[None, "float32", "float16", "bfloat16", "float64"])
     tensor_parallel_degree: int = F(1, "ranks the model is split over (tensor parallel); launch that many processes: python -m paddle.distributed.launch --nproc_per_node N llm/predictor.py ...")
     mode: str = F("dynamic", "dynamic (eager) predictor; static graphs are not built here", choices=["dynamic"])
 
@@ -305,7 +305,11 @@ def main(argv=None, stdin=None, stdout=None):
     main_rank = topo is None or topo.is_main    # every rank generates; rank 0 speaks
     if not main_rank:
         stdout = io.StringIO()
-    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path, topology=topo)
+    from paddletune.models import declared_dtype, load_config, ops
+
+    # the checkpoint's dtype or --dtype (tensor parallel loads float32 slices: not built for others)
+    dtype = "float32" if topo is not None else ops.compute_dtype(a.dtype, declared_dtype(load_config(path)[1]))
+    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path, topology=topo, dtype=dtype)
     cfg = GenerationConfig(max_new_tokens=a.max_length, decode_strategy=a.decode_strategy,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                            repetition_penalty=a.repetition_penalty, seed=a.seed,

@@ -421,20 +421,21 @@ def checkpoint_defaults(path, tokenizer):
 
 
 def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True,
-                        topology=None):
+                        topology=None, dtype="float32"):
     """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
     built-in name or an already built model. A LoRA adapter (HF-PEFT files) is loaded on top
     and, with merge_lora, folded into the weights (W += s A B: faster, same outputs); prefixes
     (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache.
     `topology` (parallel.Topology) with a tensor-parallel degree > 1 loads this rank's slices;
-    adapters are then sliced too and LoRA stays unmerged (merging works on whole weights)."""
+    adapters are then sliced too and LoRA stays unmerged (merging works on whole weights).
+    `dtype`: the parameters' dtype when loading from a directory (models.load_model)."""
     from .models import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
     path = None
     if isinstance(model, str):
         path = resolve_model_path(model)
-        model = load_model(path, topology=topology)
+        model = load_model(path, topology=topology, dtype=dtype)
     else:
         path = getattr(model, "name_or_path", None)
     if tokenizer is None or isinstance(tokenizer, str):

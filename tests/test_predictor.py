@@ -106,6 +106,28 @@ def test_builtin_template_none_and_src_length(ckpt, tmp_path):
     assert [r["output"] for r in got] == [hf_answer(path, hf, text=r["src"], cut=5) for r in ROWS[:2]]
 
 
+def test_dtype_float64_answers_and_16_bit_on_cpu(ckpt, tmp_path, monkeypatch):
+    """--dtype float64 loads float64 weights and gives transformers' greedy answers; bfloat16
+    (and a bf16 checkpoint's own dtype) computes in float32 on CPU, which has no 16-bit matmul."""
+    import paddletune.generation as gen
+
+    path, hf = ckpt
+    real, seen = gen.load_for_generation, []
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append((k.get("dtype"), {str(p.dtype) for p in out[0].parameters()}))
+        return out
+    monkeypatch.setattr(gen, "load_for_generation", spy)
+    data = write_jsonl(str(tmp_path / "dev.json"), ROWS[:1])
+    rc, printed = run(greedy(path, "--data_file", data, "--dtype", "float64"))
+    got = [json.loads(l) for l in printed.splitlines() if l.startswith("{")]
+    assert rc == 0 and seen[-1] == ("float64", {"paddle.float64"})
+    assert [r["output"] for r in got] == [hf_answer(path, hf, [{"role": "user", "content": ROWS[0]["src"]}])]
+    rc, _ = run(greedy(path, "--data_file", data, "--dtype", "bfloat16"))
+    assert rc == 0 and seen[-1] == ("float32", {"paddle.float32"})
+
+
 def test_multi_round_src(ckpt, tmp_path):
     path, hf = ckpt
     row = {"src": ["hi", "Sort the numbers: 3 1 2"], "tgt": ["hello!", "1 2 3"]}
@@ -163,6 +185,7 @@ def test_chat_without_a_checkpoint_template(tmp_path):
     (["--batch_size", "0"], "batch_size"),
     (["--chat_template", "no_such_template"], "no_such_template"),
     (["--lora_path", "/nonexistent"], "lora_path"),
+    (["--dtype", "int8"], "must be one of"),
 ])
 def test_bad_input_fails_before_loading_the_model(ckpt, monkeypatch, capsys, args, msg):
     import paddletune.generation as gen

@@ -93,15 +93,31 @@ def position_limit(config):
     return getattr(config, "max_position_embeddings", None), scaled
 
 
-def build_model(config, seed=None):
+def build_model(config, seed=None, dtype="float32"):
     """Model from a config dict (or config object); random N(0, initializer_range) when `seed`
-    is given, otherwise lazily created parameters that must be loaded before use."""
+    is given, otherwise lazily created parameters that must be loaded before use.
+
+    `dtype` (float32 / float64 / float16 / bfloat16): every parameter is created in it, norm
+    weights, biases, embeddings and MoE routers included (as transformers' torch_dtype does).
+    No parameter is kept in float32: the float32 islands are computations, not weights — RMSNorm
+    statistics and attention / router softmax run in float32 for 16-bit inputs (layers.wide),
+    rope cos / sin are computed in float32 from the positions, then cast; the LM loss runs on
+    float32 logits for 16-bit models. Parameters added later are float32 islands: LoRA A / B
+    (peft/lora.py casts the input to them and the update back), so adapters train in float32
+    on a 16-bit base."""
     if isinstance(config, dict):
         spec = spec_for_config(config)
         config = spec.config_cls.from_dict(config)
     spec = get_spec(config.model_type)
-    with paddle.LazyGuard():
-        model = spec.model_cls(config)
+    if dtype not in hf.COMPUTE_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(hf.COMPUTE_DTYPES)})")
+    before = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)   # lazily created parameters take the default dtype
+    try:
+        with paddle.LazyGuard():
+            model = spec.model_cls(config)
+    finally:
+        paddle.set_default_dtype(before)
     if seed is not None:
         from .layers import init_weights
 
@@ -146,14 +162,15 @@ def check_checkpoint(path, config=None):
     check_checkpoint_shapes(model, path, spec, reader, dict(model.named_parameters()), {})
 
 
-def load_weights(model, path, spec=None, reader=None, params=None, only=None):
+def load_weights(model, path, spec=None, reader=None, params=None, only=None, dtype="float32"):
     """Stream tensors from the checkpoint at `path` into `model` (or into `params`, a
     {hf_name: parameter} map), checking every shape first against the checkpoint header.
 
     Quantized linears (quant.QuantizedLinear, put in by quant.quantize_model_lazily) receive
     their tensor in HF layout [out, in] and quantize it at once, so at most one full-precision
     matrix is resident at a time. The memory map of a file is dropped after each tensor: pages
-    read through a map count in the process RSS until it is unmapped."""
+    read through a map count in the process RSS until it is unmapped. `dtype`: the parameters'
+    dtype (build_model's); a tensor stored in it is read word for word (hf.read_as)."""
     spec = spec or model.spec
     reader = reader or hf.CheckpointReader(path)
     params = params if params is not None else dict(model.named_parameters())
@@ -164,8 +181,7 @@ def load_weights(model, path, spec=None, reader=None, params=None, only=None):
         quantized = {n: m for n, m in quantized.items() if only(n)}
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
-        p.set_value(check_finite(hf.read_slice(reader, spec, name).astype(np.float32, copy=False),
-                                 name, reader))
+        p.set_value(check_finite(hf.read_as(reader, spec, name, dtype), name, reader))
         _unmap(reader, name)
     for name, m in quantized.items():
         m.set_weight(check_finite(hf.read_torch_linear(reader, spec, name), name, reader))
@@ -181,8 +197,11 @@ def load_weights(model, path, spec=None, reader=None, params=None, only=None):
 def check_finite(arr, name, reader=None, where=None):
     """`arr` unchanged, or an error naming the tensor and file when it holds NaN or Inf (a
     damaged file, or weights saved after training diverged): refused at load, not at step 1."""
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        bad = int(arr.size - np.isfinite(arr).sum())
+    if arr.dtype == np.uint16:   # bfloat16 words: Inf / NaN have all 8 exponent bits set
+        bad = int(np.count_nonzero((arr & 0x7F80) == 0x7F80))
+    else:
+        bad = int(arr.size - np.isfinite(arr).sum()) if arr.dtype.kind == "f" else 0
+    if bad:
         where = where or (reader.file_of(name) if hasattr(reader, "file_of") else "checkpoint")
         raise ValueError(f"{where}: tensor {name} holds {bad} non-finite values (NaN or Inf) of "
                          f"{arr.size}: the file is damaged, or was saved after training diverged; "
@@ -204,7 +223,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     data-parallel layout holds all of it. `quant` (a QuantArgument with weight_quantize_algo set,
     or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
     are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
-    allocates its weight."""
+    allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md)."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
     if getattr(cfg, "moe", None) and topology is not None and topology.pp_degree > 1:
@@ -225,7 +244,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         from ..parallel.plan import check_layout
 
         check_layout(spec, cfg, topology.tp_degree)
-    model = build_model(cfg)
+    model = build_model(cfg, dtype=dtype)
     model.name_or_path = path
     pp = topology is not None and topology.pp_degree > 1
     only = None
@@ -254,7 +273,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
         tensor_parallel.load_sharded(model, path, group, only=only)
         tensor_parallel.install(model, group)
     else:
-        load_weights(model, path, spec, only=only)
+        load_weights(model, path, spec, only=only, dtype=dtype)
     if pp:
         from ..parallel.pipeline import Pipeline
 

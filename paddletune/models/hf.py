@@ -468,6 +468,29 @@ def read_slice(reader, spec, name, axis=None, start=None, stop=None):
     return to_paddle_layout(spec, name, reader.get(name, hf_axis, start, stop))
 
 
+COMPUTE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_SAME = {("bfloat16", "BF16"), ("float16", "F16"), ("float64", "F64"), ("float32", "F32")}
+
+
+def read_as(reader, spec, name, dtype="float32"):
+    """Tensor `name` in paddle layout, as the numpy form paddle takes for a parameter of `dtype`:
+    float32 / float64 / float16 arrays, and for bfloat16 the raw 16-bit words (uint16, paddle's
+    numpy form of bfloat16). A tensor stored in `dtype` is copied word for word out of the file
+    (a BF16 tensor read for bfloat16 never becomes float32: 2 bytes per value, no rounding);
+    any other stored dtype is converted by numpy, to bfloat16 with round-to-nearest-even."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(COMPUTE_DTYPES)})")
+    if dtype == "float32":   # the float32 path as it always was
+        return read_slice(reader, spec, name).astype(np.float32, copy=False)
+    st = reader.files.get(name) if isinstance(getattr(reader, "files", None), dict) else None
+    if st is not None and hasattr(st, "_raw"):
+        view, code = st._raw(reader.stored_name(name) if hasattr(reader, "stored_name") else name)
+        if (dtype, code) in _SAME:
+            return to_paddle_layout(spec, name, np.array(view))
+    arr = read_slice(reader, spec, name)
+    return f32_to_bf16(arr) if dtype == "bfloat16" else arr.astype(dtype, copy=False)
+
+
 def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, rows=1 << 22):
     """Copy tensor `name` (or its [start:stop) slice along paddle `axis`) in paddle layout into the
     float32 array `out`, straight from the file's memory map: no intermediate copy of the whole

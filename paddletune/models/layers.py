@@ -12,15 +12,23 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from .. import kernels
+from . import ops
 
 _NEG = {"float32": -1e9, "float64": -1e9, "bfloat16": -1e9, "float16": -6e4}
 
 
-_MEAN = {}   # H -> [H, 1] column of 1/H (RMSNorm)
+_MEAN = {}   # (H, dtype) -> [H, 1] column of 1/H (RMSNorm)
+
+
+def wide(dtype):
+    """The dtype reductions (norm statistics, softmax) run in: float32 for 16-bit inputs, else
+    the input's own (float64 stays float64)."""
+    return paddle.float32 if dtype in (paddle.float16, paddle.bfloat16) else dtype
 
 
 class RMSNorm(nn.Layer):
-    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in float32."""
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight, statistics in float32 (models.ops picks the
+    implementation: CPU kernel / CPU-tuned ops, or paddle's fused_rms_norm)."""
 
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
@@ -28,17 +36,19 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x):
+        if ops.gpu():
+            return ops.rms_norm(x, self.weight, self.eps)
         fused = kernels.rms_norm(x, self.weight, self.eps)   # one pass fwd and bwd on the CPU kernels
         if fused is not None:
             return fused
         dtype, H = x.dtype, x.shape[-1]
-        x32 = x.astype("float32")
-        if H not in _MEAN:
-            _MEAN[H] = paddle.full([H, 1], 1.0 / H, "float32")
+        x32 = x.astype(wide(dtype))
+        if (H, x32.dtype) not in _MEAN:
+            _MEAN[(H, x32.dtype)] = paddle.full([H, 1], 1.0 / H, x32.dtype)
         # paddle's CPU kernels, fwd + bwd on [1024, 256]: square, not pow(2) (~100x slower); the
         # mean as a product with a [H, 1] column of 1/H; every factor expanded to x's full shape,
         # since broadcast multiplies (and their gradients' reductions) are the slow ones: 2.8 -> 1.0 ms
-        r = paddle.rsqrt(paddle.matmul(paddle.square(x32), _MEAN[H]) + self.eps).expand(x32.shape)
+        r = paddle.rsqrt(paddle.matmul(paddle.square(x32), _MEAN[(H, x32.dtype)]) + self.eps).expand(x32.shape)
         return self.weight.expand(x.shape) * (x32 * r).astype(dtype)
 
 
@@ -61,7 +71,10 @@ def dropout(x, p, training):
 
 
 def swiglu(gate, up):
-    """silu(gate) * up, one pass forward and backward on the CPU kernels (else paddle's ops)."""
+    """silu(gate) * up: paddle's F.swiglu (gpu column), else one pass forward and backward on the
+    CPU kernels (else paddle's ops)."""
+    if ops.gpu():
+        return ops.swiglu(gate, up)
     fused = kernels.swiglu(gate, up)
     return fused if fused is not None else F.silu(gate) * up
 
@@ -152,7 +165,10 @@ class RopeTables:
         return x * cos + rotate_half(x) * sin
 
     def apply_heads_first(self, x, scale=1.0):
-        """apply(x, scale) transposed to [B, heads, S, D], in one CPU kernel when available."""
+        """apply(x, scale) transposed to [B, heads, S, D]: paddle's fused rope (gpu column), else
+        one CPU kernel when available."""
+        if ops.gpu():
+            return ops.rope(x, self.cos, self.sin, scale)
         fused = kernels.rope_heads_first(x, self.cos, self.sin, scale)
         return fused if fused is not None else self.apply(x, scale).transpose([0, 2, 1, 3])
 
@@ -232,7 +248,7 @@ def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dt
     T = past + q_len
     blocked = None
     if q_len > 1:
-        blocked = paddle.triu(paddle.ones([q_len, T], dtype="bool"), diagonal=past + 1).reshape([1, 1, q_len, T])
+        blocked = causal_mask(q_len, past)
     if attention_mask is not None:
         pad = (attention_mask == 0).reshape([batch, 1, 1, T])
         blocked = pad if blocked is None else paddle.logical_or(blocked, pad)
@@ -240,6 +256,24 @@ def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dt
         other = (segment_ids.unsqueeze(2) != segment_ids.unsqueeze(1)).unsqueeze(1)   # [B, 1, S, S]
         blocked = other if blocked is None else paddle.logical_or(blocked, other)
     return blocked
+
+
+_CAUSAL = {}   # (S, past) -> the plain causal mask, made once: ops tells it apart by identity
+
+
+def causal_mask(q_len, past=0):
+    """bool [1, 1, S, past+S], True above the diagonal shifted by `past` (blocked keys)."""
+    key = (q_len, past)
+    if key not in _CAUSAL:
+        T = past + q_len
+        _CAUSAL[key] = paddle.triu(paddle.ones([q_len, T], dtype="bool"), diagonal=past + 1).reshape([1, 1, q_len, T])
+    return _CAUSAL[key]
+
+
+def is_plain_causal(bias, q_len):
+    """True when `bias` is the causal mask of q_len new tokens and no past (no padding, no
+    packing): the case flash attention's causal=True covers."""
+    return bias is not None and bias is _CAUSAL.get((q_len, 0))
 
 
 class PackedRows:
@@ -299,6 +333,15 @@ class PackedRows:
             self._whole = paddle.concat([m for _, _, _, m in self.blocks], axis=0)
         return self._whole
 
+    def key_ends(self):
+        """int32 [B, S]: for each key, the end (exclusive) of its example in its row: the first
+        query row that may not see it (flashmask_attention's startend_row_indices, causal)."""
+        ends = np.zeros(self.shape, np.int32)
+        for b, runs in enumerate(self.runs):
+            for s, e in runs:
+                ends[b, s:e] = e
+        return ends
+
     def cu_seqlens(self):
         """int32 [num_examples + 1] over the flattened [B*S] tokens (varlen flash attention)."""
         S, starts = self.shape[1], [0]
@@ -325,8 +368,12 @@ def _packed_flash(q, k, v, layout, dropout, training, scale):
     return out.reshape([B, S, N * D])
 
 
+def _dtype_name(t):
+    return str(t.dtype).replace("paddle.", "")
+
+
 def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dropout_fn=None,
-                      alibi=None):
+                      alibi=None, plain=False):
     if flash and alibi is None and "gpu" in str(q.place).lower():
         try:
             return _packed_flash(q, k, v, layout, dropout, training, scale)
@@ -338,14 +385,14 @@ def _packed_attention(q, k, v, layout, dropout, training, scale, flash=False, dr
                                                         "the exact blocked path", e)
     whole = layout.whole_row_mask()
     if whole is not None:   # every row is one block: a single batched call, no slicing
-        return _dense_attention(q, k, v, whole, dropout, training, scale, dropout_fn, alibi)
+        return _dense_attention(q, k, v, whole, dropout, training, scale, dropout_fn, alibi, plain)
     rows = [[] for _ in range(q.shape[0])]
     for b, lo, hi, bias in layout.blocks:
         sl = lambda t: t[b:b + 1, :, lo:hi]  # noqa: E731
         # ALiBi over a block's own key positions: per query row a constant shift (every key it
         # sees is in its example), which the softmax ignores
         rows[b].append(_dense_attention(sl(q), sl(k), sl(v), bias, dropout, training, scale, dropout_fn,
-                                        alibi))
+                                        alibi, plain))
     return paddle.concat([paddle.concat(r, axis=1) if len(r) > 1 else r[0] for r in rows], axis=0)
 
 
@@ -369,13 +416,23 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
         return run_again(lambda q_, k_, v_: attention(q_, k_, v_, bias, dropout, training, scale, flash,
                                                       dropout_fn, alibi), q, k, v, use_reentrant=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if ops.gpu():   # paddle's fused attention ops; ALiBi and a custom dropout: plain paddle ops
+        if alibi is None and dropout_fn is None:
+            causal = is_plain_causal(bias, q.shape[2]) and k.shape[2] == q.shape[2]
+            return ops.attention(q, k, v, bias, dropout, training, scale, causal, _NEG[_dtype_name(q)])
+        if isinstance(bias, PackedRows):
+            return _packed_attention(q, k, v, bias, dropout, training, scale, False, dropout_fn, alibi,
+                                     plain=True)
+        return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi, plain=True)
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn, alibi)
     return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi)
 
 
 def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, dropout_fn=None,
-                     alibi=None):
+                     alibi=None, plain=False):
+    """Dense attention on [B, K, g*S, T] matmuls (see attention); `plain`: paddle's ops only, never
+    the CPU masked-softmax kernel (the op table's gpu column for ALiBi / custom dropout)."""
     B, N, S, D = q.shape
     K, T = k.shape[1], k.shape[2]
     g = N // K
@@ -389,16 +446,16 @@ def _dense_attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None
         extra = alibi.astype(scores.dtype).reshape([1, N, 1, 1]) * keys
         scores = (scores.reshape([B, N, S, T]) + extra).reshape([B, K, g * S, T])
     probs = None
-    if bias is not None:   # bool [B|1, 1, S, T], True = blocked; one pass on the CPU kernels
+    if bias is not None and not plain:   # bool [B|1, 1, S, T], True = blocked; one CPU kernel pass
         probs = kernels.masked_softmax(scores.reshape([B, N, S, T]), bias)
     if probs is not None:
         probs = probs.reshape([B, K, g * S, T])
     else:
         if bias is not None:
-            neg = _NEG[str(scores.dtype).replace("paddle.", "")]
+            neg = _NEG[_dtype_name(scores)]
             scores = paddle.masked_fill(scores.reshape([B, K, g, S, T]), bias.unsqueeze(1), neg)
             scores = scores.reshape([B, K, g * S, T])
-        probs = F.softmax(scores.astype("float32"), axis=-1).astype(q.dtype)
+        probs = F.softmax(scores.astype(wide(scores.dtype)), axis=-1).astype(q.dtype)
     if dropout > 0 and training:
         probs = (dropout_fn(probs, dropout, True) if dropout_fn is not None
                  else F.dropout(probs, dropout, training=True))
@@ -417,4 +474,5 @@ def init_weights(model, std=0.02, seed=0):
             val = np.ones(p.shape, np.float32)
         else:
             val = (rng.standard_normal(p.shape) * std).astype(np.float32)
-        p.set_value(val)
+        # the same float32 draw for every dtype (a float64 model starts from the float32 one)
+        p.set_value(val if p.dtype == paddle.float32 else paddle.to_tensor(val).astype(p.dtype))

@@ -12,6 +12,7 @@ import paddle
 from paddle import _C_ops
 
 from .. import kernels
+from .layers import wide
 
 
 def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
@@ -19,7 +20,8 @@ def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
     loss, dh, dw = None, [], None
     for lo, hi in spans:
         hc, tc = h[lo:hi], t[lo:hi]
-        logits = paddle.matmul(hc, w, transpose_y=transposed).astype("float32")
+        logits = paddle.matmul(hc, w, transpose_y=transposed)
+        logits = logits.astype(wide(logits.dtype))   # float32 for 16-bit models, else as is
         lc = kernels.softmax_xent_(logits, tc)   # loss rows, logits -> p - onehot in place; or None
         if lc is not None:
             p = logits
@@ -32,7 +34,7 @@ def _blocks(h, w, t, transposed, want_dh, want_dw, spans):
         if want_dh:
             dh.append(paddle.matmul(p.astype(w.dtype), w, transpose_y=not transposed))
         if want_dw:
-            h32 = hc.astype("float32")
+            h32 = hc.astype(p.dtype)
             part = paddle.matmul(p, h32, transpose_x=True) if transposed else paddle.matmul(h32, p, transpose_x=True)
             dw = part if dw is None else dw.add_(part)
     return loss, dh, dw

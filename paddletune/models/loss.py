@@ -22,6 +22,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .layers import wide
 from .linear_ce import LinearCrossEntropy
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids")
@@ -86,7 +87,8 @@ def hidden_loss(model, hidden, labels, keep_logits=False):
     if matrix is not None and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
         w, transposed = matrix
         return LossOutput(LinearCrossEntropy.apply(h_sel, w, t_sel, transposed), n, None, t_sel)
-    logits = model.logits(h_sel).astype("float32")
+    logits = model.logits(h_sel)
+    logits = logits.astype(wide(logits.dtype))   # float32 for 16-bit models, float64 stays
     loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")
     return LossOutput(loss_sum, n, logits, t_sel)
 

@@ -23,7 +23,7 @@ import logging
 import paddle
 from paddle.autograd import PyLayer
 
-from ..models import hf
+from ..models import hf, ops
 
 logger = logging.getLogger("paddletune")
 _STATE = {"disabled": False}
@@ -32,7 +32,9 @@ CHECK_TOL = {"int8": 2e-2, "int4": 2e-2}   # relative max error vs the reference
 
 def _eligible(x, layer):
     algo = layer.algo
-    if algo.fused_dtype is None or not paddle.is_compiled_with_cuda():
+    # the op table's gpu column (models/ops.py) on a CUDA build; nf4 / fp4 have no fused_dtype:
+    # they stay on paddletune's chunked dequantize + matmul (weight_only.matmul_reference)
+    if algo.fused_dtype is None or not paddle.is_compiled_with_cuda() or not ops.gpu():
         return False
     if layer.block_axis != "in":   # per-input-column scales: paddle's layout cannot hold them
         return False
@@ -59,7 +61,8 @@ def _convert(layer, dtype):
 
     try:
         w = layer.dequantize(dtype)   # paddle layout [in, out] (layer.fused is still None)
-        q, s = weight_quantize(w, algo=layer.algo.name, group_size=_group(layer))
+        args, kwargs = weight_quantize_args(w, layer)
+        q, s = weight_quantize(*args, **kwargs)
         x0 = paddle.randn([4, layer.in_features]).astype(dtype)
         ref = paddle.matmul(x0, w).astype("float32")
         got = weight_only_linear(x0, q, None, s, layer.algo.fused_dtype,
@@ -89,14 +92,26 @@ def dequantize_fused(layer, dtype):
     return w if list(w.shape) == [layer.in_features, layer.out_features] else hf.linear_to_paddle(w)
 
 
+def weight_quantize_args(w, layer):
+    """(args, kwargs) passed to paddle.nn.quant.weight_quantize: w [in, out] in the compute dtype."""
+    return (w,), dict(algo=layer.algo.name, group_size=_group(layer))
+
+
+def weight_only_linear_args(x, layer):
+    """(args, kwargs) passed to paddle.nn.quant.weight_only_linear (tests bind them)."""
+    return (x, layer.fused_weight, None, layer.fused_scale, layer.algo.fused_dtype), \
+        dict(group_size=_group(layer))
+
+
 class _FusedMatmul(PyLayer):
     @staticmethod
     def forward(ctx, x, layer):
         from paddle.nn.quant import weight_only_linear
 
         ctx.layer = layer
-        return weight_only_linear(x, layer.fused_weight, None, layer.fused_scale,
-                                  layer.algo.fused_dtype, group_size=_group(layer))
+        ops.TAKEN.add("weight_only_linear")
+        args, kwargs = weight_only_linear_args(x, layer)
+        return weight_only_linear(*args, **kwargs)
 
     @staticmethod
     def backward(ctx, dy):
