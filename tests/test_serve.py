@@ -25,7 +25,7 @@ PROMPTS = ["def read_file(path):", "解释一下“温故而知新”", "The os 
 def server():
     s = ServerProcess(["--model_name_or_path", MODEL, "--api_key", KEY, "--max_batch_size", "8",
                        "--max_length", str(MAX_LENGTH), "--max_request_bytes", "65536",
-                       "--batch_window_ms", "50"])
+                       "--batch_window_ms", "100"])
     yield s
     s.stop()
 
@@ -203,3 +203,18 @@ def test_start_refusals(caplog, tmp_path):
     sock = cli.check(cli.parse(["--model_name_or_path", MODEL, "--host", "0.0.0.0", "--port", "0"]))
     sock.close()
     assert "without --api_key" in caplog.text
+    # an adapter directory as the model: its base from adapter_config.json, the adapter on top
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": MODEL, "peft_type": "LORA"}))
+    a = cli.parse(["--model_name_or_path", str(tmp_path)])
+    cli.adapter_base(a)
+    assert (a.model_name_or_path, a.lora_path) == (MODEL, str(tmp_path))
+
+
+def test_throughput_benchmark_smoke(server):
+    """benchmarks/serve_throughput.py against this server (2 requests of 4 tokens per level)."""
+    from conftest import ROOT, run_script
+
+    r = run_script([f"{ROOT}/benchmarks/serve_throughput.py", "--smoke", "--url", server.url, "--model", MODEL,
+                    "--api_key", KEY])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| predictor.py, sequential (batch_size 1) |" in r.stdout and "| 2 |" in r.stdout
