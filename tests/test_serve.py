@@ -79,6 +79,13 @@ def test_chat_and_completions_match_predictor(server, client, tmp_path):
         s = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, stream=True)
         assert r.choices[0].text == wr == "".join(c.choices[0].text for c in s if c.choices)
         assert r.usage.completion_tokens <= 24 and r.usage.prompt_tokens > 0
+    # a stop string inside the greedy answer: the answer ends right before it, streamed or not
+    answer = want_chat[0]
+    stop = answer[6:9]
+    assert len(answer) > 12 and stop.strip(), answer
+    cut = answer[:answer.find(stop)]
+    assert chat(client, prompts[0], stop=[stop, "never appears"]) == (cut, "stop")
+    assert chat(client, prompts[0], stop=stop, stream=True)[:2] == (cut, "stop")
     sampled, _ = chat(client, prompts[0], temperature=0.9, top_p=0.8, seed=7)
     assert sampled == want_sampled[0]
     assert chat(client, prompts[0], temperature=0.9, top_p=0.8, seed=7, stream=True)[0] == sampled

@@ -65,6 +65,7 @@ class BatchEngine:
         self.stats = {"requests": 0, "batches": 0, "cancelled": 0, "tokens": 0, "running": 0,
                       "max_batch": 0}
         self._thread = None
+        self.device = paddle.get_device()   # the engine thread runs where the model was loaded
 
     def start(self):
         self._thread = threading.Thread(target=self._loop, name="paddletune-engine", daemon=True)
@@ -96,6 +97,7 @@ class BatchEngine:
         return False
 
     def _loop(self):
+        paddle.set_device(self.device)
         while True:
             batch = self._gather()
             if not batch:
