@@ -5,7 +5,7 @@ The model: a tiny ChatGLM2 (its SentencePiece tokenizer with byte fallback) whos
 control, so that it is CJK + emoji: every layer's output projections are zeroed, so the
 residual stream is the last token's embedding, and the embeddings / LM head form a chain
 "any token -> c0 -> c1 -> ... -> EOS" over the ids of ANSWER. The question does not matter; the
-answer's bytes arrive one token at a time (中 and 文 are 3 byte tokens each, 🚀 4), so the page
+answer's bytes arrive one token at a time (中, 文, 好, 界, ！ are 3 byte tokens each, 🚀 4), so the page
 only shows whole characters if the server's detokenizer holds incomplete UTF-8 back.
 """
 import shutil
@@ -18,7 +18,9 @@ from serve_util import ServerProcess
 webdriver = pytest.importorskip("selenium.webdriver")
 pytest.importorskip("uvicorn")
 
-ANSWER = "中文🚀 done."
+# ~45 tokens, all different (the chain is a token -> next token map): the stream lasts long enough
+# that the page gets it in several network reads even on a busy machine
+ANSWER = "中文🚀 done. the quick brown fox jumps a while my and好界！"
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
@@ -94,7 +96,7 @@ def test_chat_page_streams_a_cjk_emoji_answer(server, browser, tmp_path):
 
     browser.get(server.url + "/")
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text == "chain")
-    for key, value in (("temperature", "0"), ("max_tokens", "40")):
+    for key, value in (("temperature", "0"), ("max_tokens", "80")):
         box = browser.find_element(By.ID, key)
         box.clear()
         box.send_keys(value)
