@@ -38,7 +38,8 @@ def client(server):
 def predictor_outputs(tmp_path, prompts, *args):
     """llm/predictor.py's answers (in-process) for `prompts`, one at a time."""
     data = tmp_path / "prompts.json"
-    data.write_text("".join(json.dumps({"src": p}, ensure_ascii=False) + "\n" for p in prompts))
+    rows = [p if isinstance(p, dict) else {"src": p} for p in prompts]
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     out = io.StringIO()
     code = load_script("llm/predictor.py").main(["--model_name_or_path", MODEL, "--data_file", str(data),
                                                  "--device", "cpu"] + list(args), stdout=out)
@@ -64,7 +65,8 @@ def test_chat_and_completions_match_predictor(server, client, tmp_path):
     predictor.py's answers; a seeded sampled answer equals predictor.py's with that seed."""
     prompts = PROMPTS[:2]
     greedy = ["--decode_strategy", "greedy_search", "--max_length", "24"]
-    want_chat = predictor_outputs(tmp_path, prompts, *greedy)
+    rounds = {"src": ["Open the file", prompts[0]], "tgt": ["with open(path) as f:"]}
+    *want_chat, want_rounds = predictor_outputs(tmp_path, prompts + [rounds], *greedy)
     # the built-in "plain" template renders a one-turn chat as the raw text (test_first_hour
     # checks predictor.py --chat_template none against it): the same answer for /v1/completions
     want_raw = want_chat
@@ -79,6 +81,11 @@ def test_chat_and_completions_match_predictor(server, client, tmp_path):
         s = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, stream=True)
         assert r.choices[0].text == wr == "".join(c.choices[0].text for c in s if c.choices)
         assert r.usage.completion_tokens <= 24 and r.usage.prompt_tokens > 0
+    # a conversation with history: rendered by the template as predictor.py renders src rounds
+    history = [{"role": "user", "content": rounds["src"][0]}, {"role": "assistant", "content": rounds["tgt"][0]},
+               {"role": "user", "content": rounds["src"][1]}]
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want_rounds != want_chat[0]   # the history changed the answer
     # a stop string inside the greedy answer: the answer ends right before it, streamed or not
     answer = want_chat[0]
     stop = answer[6:9]

@@ -10,7 +10,6 @@ only shows whole characters if the server's detokenizer holds incomplete UTF-8 b
 """
 import shutil
 
-import numpy as np
 import pytest
 
 from serve_util import ServerProcess
@@ -113,7 +112,7 @@ def test_chat_page_streams_a_cjk_emoji_answer(server, browser, tmp_path):
     assert all(ANSWER.startswith(s) and "\ufffd" not in s for s in middle), middle   # whole characters only
     browser.save_screenshot(str(tmp_path / "chat_page.png"))
     assert (tmp_path / "chat_page.png").stat().st_size > 1000
-    # a second turn carries the history; reset clears the conversation
+    # a second turn (the page sends the history with it); reset clears the conversation
     browser.find_element(By.ID, "input").send_keys("再来")
     browser.find_element(By.ID, "send").click()
     WebDriverWait(browser, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .assistant")) == 2
