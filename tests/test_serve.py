@@ -232,3 +232,17 @@ def test_throughput_benchmark_smoke(server):
                     "--api_key", KEY])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| predictor.py, sequential (batch_size 1) |" in r.stdout and "| 2 |" in r.stdout
+
+
+def test_training_imports_nothing_of_the_server():
+    """The [serve] extra stays optional: what the fine-tuning script imports (the trainer,
+    arguments, data, generation) loads neither the HTTP stack nor paddletune.serve."""
+    from conftest import run_script
+
+    code = ("import sys, paddletune.trainer, paddletune.args, paddletune.data, paddletune.generation, "
+            "paddletune.text_generation\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'fastapi')"
+            " or m.startswith('paddletune.serve')]\n"
+            "assert not bad, bad\nprint('clean')")
+    r = run_script(["-c", code])
+    assert r.returncode == 0 and "clean" in r.stdout, r.stderr[-2000:]
