@@ -185,21 +185,28 @@ def test_error_cases_then_still_serving(server, client):
 
 def test_disconnect_mid_stream_stops_generation(server, client):
     """A streaming client that goes away after two chunks: its row stops (the engine counts a
-    cancel and far fewer tokens than asked for), and the server answers the next request."""
+    cancel and far fewer tokens than asked for) while a request decoded beside it completes with
+    its solo answer, and the server answers the next request."""
+    solo = chat(client, "and now?", max_tokens=30)[0]
     before = server.health()
+    beside = {}
+    t = threading.Thread(target=lambda: beside.update(text=chat(client, "and now?", stream=True, max_tokens=30)[0]))
+    t.start()
     body = {"model": MODEL, "prompt": "import os", "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
         lines = r.iter_lines()
         seen = [line for _, line in zip(range(4), lines)]   # 2 chunks + their blank separators
         assert seen[0].startswith("data: ")
+    t.join(60)
     for _ in range(100):
         h = server.health()
         if h["cancelled"] > before["cancelled"] and h["running"] == 0:
             break
         time.sleep(0.05)
     assert h["cancelled"] == before["cancelled"] + 1, h
-    assert h["tokens"] - before["tokens"] < 200, (before, h)
+    assert h["tokens"] - before["tokens"] < 200 + 30, (before, h)
+    assert beside.get("text") == solo
     assert chat(client, "and now?", max_tokens=4)[1] in ("stop", "length")
 
 
