@@ -16,13 +16,35 @@ from serve_util import ServerProcess
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-MODEL, KEY, MAX_LENGTH = "paddletune/tiny-qwen2", "sk-test-key", 256
+BASE, KEY, MAX_LENGTH = "paddletune/tiny-qwen2", "sk-test-key", 256
+MODEL = BASE   # the served model: a LoRA adapter directory on BASE, set by the `server` fixture
 PROMPTS = ["def read_file(path):", "解释一下“温故而知新”", "The os module provides", "import json\n",
            "class Parser:", "Return the", "x", "The following functions are available in the"]
 
 
+def lora_adapter(out_dir):
+    """A LoRA adapter (q/v projections, random B so it changes the answers) saved for BASE, as a
+    fine-tuning run leaves it: adapter_config.json names the base."""
+    import numpy as np
+    import paddle
+
+    from paddletune.generation import load_for_generation
+    from paddletune.peft import lora
+
+    model, tok, _ = load_for_generation(BASE)
+    names = [n for n, _ in model.named_sublayers() if n.endswith(("q_proj", "v_proj"))]
+    lora.inject(model, names, r=4, alpha=8)
+    rng = np.random.default_rng(0)
+    for n, p in lora.lora_state(model).items():
+        p.set_value(paddle.to_tensor((rng.standard_normal(p.shape) * 0.2).astype(np.float32)))
+    lora.save(model, str(out_dir), base_model_name_or_path=BASE, tokenizer=tok, builtin=BASE)
+    return str(out_dir)
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    global MODEL
+    MODEL = lora_adapter(tmp_path_factory.mktemp("lora_on_tiny_qwen2"))   # served as base + adapter
     s = ServerProcess(["--model_name_or_path", MODEL, "--api_key", KEY, "--max_batch_size", "8",
                        "--max_length", str(MAX_LENGTH), "--max_request_bytes", "65536",
                        "--batch_window_ms", "100"])
@@ -72,6 +94,8 @@ def test_chat_and_completions_match_predictor(server, client, tmp_path):
     want_raw = want_chat
     want_sampled = predictor_outputs(tmp_path, prompts[:1], "--decode_strategy", "sampling", "--max_length", "24",
                                      "--temperature", "0.9", "--top_p", "0.8", "--top_k", "0", "--seed", "7")
+    base_answer = paddletune_pipeline_answer(BASE, prompts[0])
+    assert base_answer != want_chat[0]   # the adapter matters, so serving without it would fail below
     for p, wc, wr in zip(prompts, want_chat, want_raw):
         text, reason = chat(client, p)
         streamed, sreason, pieces = chat(client, p, stream=True)
@@ -100,12 +124,20 @@ def test_chat_and_completions_match_predictor(server, client, tmp_path):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def paddletune_pipeline_answer(model, prompt):
+    """The greedy 24-token chat answer of `model` alone (no adapter), in-process."""
+    import paddletune
+
+    pipe = paddletune.pipeline("text-generation", model=model, max_new_tokens=24)
+    return pipe([{"role": "user", "content": prompt}])[0]["generated_text"][-1]["content"]
+
+
 def first_difference_margin(prompt, answer, got):
     """On a mismatch: the top-2 logit margin of the solo run at the first differing step."""
     from paddletune.generation import generate, load_for_generation
     from paddletune.text_generation import encode_prompt
 
-    model, tok, _ = load_for_generation(MODEL)
+    model, tok, _ = load_for_generation(BASE, lora_path=MODEL)
     ids = encode_prompt(tok, [{"role": "user", "content": prompt}], True)
     out = generate(model, [ids], max_new_tokens=40, return_logits=True, tokenizer=tok)
     lg = out.logits[0]
@@ -220,15 +252,15 @@ def test_start_refusals(caplog, tmp_path):
                         (["--tensor_parallel_degree", "2"], "one process"),
                         (["--max_btch_size", "2"], "did you mean 'max_batch_size'")):
         with pytest.raises(ArgumentError, match=words):
-            cli.check(cli.parse(["--model_name_or_path", MODEL, "--port", "0"] + argv))
-    sock = cli.check(cli.parse(["--model_name_or_path", MODEL, "--host", "0.0.0.0", "--port", "0"]))
+            cli.check(cli.parse(["--model_name_or_path", BASE, "--port", "0"] + argv))
+    sock = cli.check(cli.parse(["--model_name_or_path", BASE, "--host", "0.0.0.0", "--port", "0"]))
     sock.close()
     assert "without --api_key" in caplog.text
     # an adapter directory as the model: its base from adapter_config.json, the adapter on top
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": MODEL, "peft_type": "LORA"}))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": BASE, "peft_type": "LORA"}))
     a = cli.parse(["--model_name_or_path", str(tmp_path)])
     cli.adapter_base(a)
-    assert (a.model_name_or_path, a.lora_path) == (MODEL, str(tmp_path))
+    assert (a.model_name_or_path, a.lora_path) == (BASE, str(tmp_path))
 
 
 def test_throughput_benchmark_smoke(server):
