@@ -58,7 +58,8 @@ def parse(argv):
     for k, v in values.items():
         if k not in FIELDS:
             near = difflib.get_close_matches(k, list(FIELDS), n=1)
-            raise ArgumentError(f"{sources[k]}: unknown key '{k}'" + (f"; did you mean '{near[0]}'?" if near else "; see --help"))
+            hint = f"; did you mean '{near[0]}'?" if near else "; see --help"
+            raise ArgumentError(f"{sources[k]}: unknown key '{k}'{hint}")
         kwargs[k] = _convert(k, v, FIELDS[k], sources[k])
         choices = FIELDS[k].metadata["choices"]
         if choices and kwargs[k] not in choices:
