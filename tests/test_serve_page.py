@@ -93,6 +93,13 @@ def test_chat_page_streams_a_cjk_emoji_answer(server, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    import re
+
+    import paddletune.serve as serve
+
+    with open(f"{serve.__path__[0]}/static/index.html", encoding="utf-8") as f:
+        html = f.read()
+    assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html)   # nothing from elsewhere: works offline
     browser.get(server.url + "/")
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text == "chain")
     for key, value in (("temperature", "0"), ("max_tokens", "80")):
