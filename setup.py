@@ -8,7 +8,7 @@ setup(
     "with Hugging Face checkpoints in and out",
     python_requires=">=3.9",
     packages=find_packages(include=["paddletune", "paddletune.*"]),
-    package_data={"paddletune": ["assets/*/*", "assets/*/*/*", "kernels/*.cc"]},
+    package_data={"paddletune": ["assets/*/*", "assets/*/*/*", "kernels/*.cc", "serve/static/*"]},
     install_requires=[
         "numpy",
         "safetensors",
@@ -27,8 +27,11 @@ setup(
         "visualdl": ["visualdl>=2.5.3"],
         "tensorboard": ["tensorboard>=2.21"],
         "plot": ["matplotlib>=3.7"],
+        # llm/server.py / python -m paddletune.serve (paddletune/serve): never imported by training
+        "serve": ["starlette>=0.37", "uvicorn>=0.29"],
         # test oracles only: never imported by the library (the three extras above: their tests)
         "test": ["pytest", "torch==2.13.0", "transformers", "peft", "trl", "psutil", "sacrebleu",
-                 "rouge-score", "tiktoken", "visualdl>=2.5.3", "tensorboard>=2.21", "matplotlib>=3.7"],
+                 "rouge-score", "tiktoken", "visualdl>=2.5.3", "tensorboard>=2.21", "matplotlib>=3.7",
+                 "starlette>=0.37", "uvicorn>=0.29", "httpx", "openai", "selenium"],
     },
 )
