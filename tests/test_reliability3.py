@@ -1,0 +1,173 @@
+"""Issue 33: hostile model files (item 1), a user's stop (3), orphan workers (2), leftovers (4),
+pre-training mixtures (6), lazy data checked up front (5), smaller items (7).
+
+Hostile-file cases run the real CLI in subprocesses under a memory limit (RLIMIT_AS), so a case
+cannot pass by having memory to spare; subprocess timeouts are hang guards, not speed claims."""
+import json
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "llm", "finetune_generation.py")
+SFT = os.path.join(ROOT, "llm", "llama", "sft_argument.json")
+QUICK = ["--do_eval", "false", "--evaluation_strategy", "no", "--save_strategy", "no",
+         "--load_best_model_at_end", "false", "--disable_tqdm", "true", "--per_device_train_batch_size", "2",
+         "--src_length", "64", "--max_length", "128", "--max_steps", "1"]
+MEMORY_LIMIT = 2 << 30   # address space: `import paddle` + a tiny model's run fits in ~1.5 GB
+
+
+def _limit():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def start_cli(model_dir, out_dir, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, SCRIPT, SFT, "--model_name_or_path", str(model_dir),
+                             "--output_dir", str(out_dir)] + QUICK + list(extra),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=_limit)
+
+
+def tiny_model(dst):
+    from paddletune.models import resolve_model_path
+
+    shutil.copytree(resolve_model_path("paddletune/tiny-llama"), dst)
+    return dst
+
+
+def edit_json(path, **changes):
+    d = json.load(open(path))
+    d.update(changes)
+    json.dump(d, open(path, "w"))
+
+
+def _overlap(d):
+    """model.safetensors whose header puts two tensors over the same bytes."""
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    a, b = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    header[b]["data_offsets"] = header[a]["data_offsets"]   # same shape and dtype: sizes agree
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _huge(d):
+    """A consistent 7B-sized checkpoint (sparse: ~no disk) with 64 layers: ~50 GiB of float32
+    weights, beyond this host (the test is skipped on a host with more memory than that)."""
+    H, I, V, L = 4096, 11008, 600, 64
+    edit_json(d / "config.json", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+              num_attention_heads=32, num_key_value_heads=32)
+    shapes = {"model.embed_tokens.weight": [V, H], "lm_head.weight": [V, H], "model.norm.weight": [H]}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
+                       p + "mlp.gate_proj.weight": [I, H], p + "mlp.up_proj.weight": [I, H],
+                       p + "mlp.down_proj.weight": [H, I]})
+        shapes.update({p + f"self_attn.{x}_proj.weight": [H, H] for x in "qkvo"})
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape)) * 4
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + size]}
+        at += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(d / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + at)
+    return at
+
+
+def _template(src):
+    def make(d):
+        edit_json(d / "tokenizer_config.json", chat_template=src)
+    return make
+
+
+def _merges(d):
+    tj = json.load(open(d / "tokenizer.json"))
+    tj["model"]["merges"] = [["a", "b"]] * 300000
+    json.dump(tj, open(d / "tokenizer.json", "w"))
+
+
+HOSTILE = {
+    # name: (change to the model directory, the file the error must name, words in the error)
+    "config_dev_zero": (lambda d: (os.unlink(d / "config.json"), os.symlink("/dev/zero", d / "config.json")),
+                        "config.json", "is a device, not a regular file"),
+    "tokenizer_fifo": (lambda d: (os.unlink(d / "tokenizer.json"), os.mkfifo(d / "tokenizer.json")),
+                       "tokenizer.json", "is a FIFO, not a regular file"),
+    "tokenizer_config_dev_zero": (lambda d: (os.unlink(d / "tokenizer_config.json"),
+                                             os.symlink("/dev/zero", d / "tokenizer_config.json")),
+                                  "tokenizer_config.json", "not a regular file"),
+    "layers_1e7": (lambda d: edit_json(d / "config.json", num_hidden_layers=10 ** 7),
+                   "config.json", "'num_hidden_layers' is 10000000, above 1024"),
+    "vocab_1e10": (lambda d: edit_json(d / "config.json", vocab_size=10 ** 10),
+                   "config.json", "'vocab_size' is 10000000000, above 2147483647"),
+    "nested_ranges": (_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                "{% endfor %}{{ messages[0]['content'] }}"),
+                      "tokenizer_config.json chat_template", "render budget"),
+    "recursive_macro": (_template("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}"),
+                        "tokenizer_config.json chat_template", "recurses without end"),
+    "range_1e9": (_template("{% for i in range(10**9) %}{% endfor %}"),
+                  "tokenizer_config.json chat_template", "Range too big"),
+    "merges": (_merges, "tokenizer.json", "300000 BPE merges"),
+    "overlap": (_overlap, "model.safetensors", "overlap in the safetensors header"),
+    "huge": (_huge, "config.json", "GiB per rank"),
+}
+
+
+def test_hostile_model_files_one_error_each(tmp_path):
+    """Each hostile model directory: exit 2 and one error line naming the file, under a 2 GB
+    address-space limit; all cases run at once (one `import paddle` each)."""
+    from paddletune.models.memory import host_memory
+
+    procs = {}
+    for name, (damage, _, _) in HOSTILE.items():
+        d = tiny_model(tmp_path / name)
+        size = damage(d)
+        if name == "huge" and host_memory() and size < host_memory():
+            continue   # this host could hold it
+        procs[name] = (d, start_cli(d, tmp_path / f"out-{name}"))
+    for name, (d, p) in procs.items():
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            pytest.fail(f"{name}: still running after 240 s: {err[-2000:]}")
+        _, fname, words = HOSTILE[name]
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1, f"{name}: rc {p.returncode}\n{err[-3000:]}"
+        assert str(d / fname) in lines[0] and words in lines[0], f"{name}: {lines[0]}"
+        assert "Traceback" not in err, name
+
+
+def test_weight_bytes_is_the_built_models_size():
+    """The pure estimate against the lazily built models' parameter counts (oracle), and split
+    by the layout: tp halves the matrices, pp halves the layers."""
+    from paddletune.models import build_model, load_config, resolve_model_path
+    from paddletune.models.memory import weight_bytes
+
+    for name in ("paddletune/tiny-llama", "paddletune/tiny-mixtral"):
+        _, cfg = load_config(resolve_model_path(name))
+        exact = sum(int(np.prod(p.shape)) for p in build_model(cfg).parameters()) * 4
+        est, _ = weight_bytes(cfg)
+        assert abs(est - exact) <= 0.01 * exact, (name, est, exact)
+    _, cfg = load_config(resolve_model_path("paddletune/tiny-llama"))
+    full, parts = weight_bytes(cfg)
+    tp2, _ = weight_bytes(cfg, tp=2)
+    pp2, parts2 = weight_bytes(cfg, pp=2)
+    assert parts2["num_hidden_layers"][1] == parts["num_hidden_layers"][1] / 2
+    assert tp2 < 0.55 * full and pp2 < full
+    nf4, _ = weight_bytes(cfg, algo="nf4")
+    assert nf4 < full
