@@ -98,9 +98,14 @@ class Tokenizer:
             from tokenizers import Tokenizer as _Tok
 
             self.backend = "tokenizers"
-            text = read_text(tj, TOKENIZER_CAP, "tokenizer.json")
+            raw = read_capped(tj, TOKENIZER_CAP, "tokenizer.json")
             try:
-                added = _check_tokenizer_json(tj, json.loads(text))
+                try:
+                    text = raw.decode("utf-8")
+                    d = json.loads(text)
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                    raise RuntimeError(e) from None   # reported as the damaged-file error below
+                added = _check_tokenizer_json(tj, d)
                 self._tok = _Tok.from_str(text)
                 for t in added:
                     self.added[t["content"]] = t["id"]
