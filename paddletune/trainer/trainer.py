@@ -23,7 +23,7 @@ import time
 import numpy as np
 import paddle
 
-from .. import outdir, parallel, runtime
+from .. import outdir, parallel, runtime, stopping
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
 from ..models import check_finite
@@ -398,11 +398,13 @@ class Trainer:
         epoch, start = st["epoch"], st["step_in_epoch"]
         self._metric_acc = self._new_metrics()
         source = profiling.attach(self, source, total)   # as is unless a profiling key is on
+        stopping.progress(st["global_step"], a.output_dir)
         while st["global_step"] < total:
             for s, micro in source.iterate(epoch, start):
                 lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
                 loss, norm, ntgt, ntok = self.training_step(micro, lr)
                 st["global_step"] += 1
+                stopping.progress(st["global_step"], a.output_dir)   # for the stop line (SIGINT / SIGTERM)
                 self._weights_at = st["global_step"]
                 spe = source.steps_per_epoch
                 done = spe is not None and s + 1 == spe
