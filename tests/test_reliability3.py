@@ -171,3 +171,170 @@ def test_weight_bytes_is_the_built_models_size():
     assert tp2 < 0.55 * full and pp2 < full
     nf4, _ = weight_bytes(cfg, algo="nf4")
     assert nf4 < full
+
+
+# ------------------------------------------------------------------ 3 and 2: stops and orphans
+
+TRAIN = ["--do_eval", "false", "--evaluation_strategy", "no", "--load_best_model_at_end", "false",
+         "--disable_tqdm", "true", "--per_device_train_batch_size", "2", "--src_length", "64",
+         "--max_length", "128", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _wait_for(path, proc, timeout=240):
+    import time
+
+    deadline = time.time() + timeout
+    while not os.path.exists(path) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.3)
+    return os.path.exists(path)
+
+
+def _start_launch(out, logs, steps):
+    from conftest import launch  # noqa: F401 - same port choice as the other launch tests
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return subprocess.Popen(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--master",
+         f"127.0.0.1:{port}", "--log_dir", str(logs), SCRIPT, SFT, "--output_dir", str(out),
+         "--max_steps", str(steps)] + TRAIN, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _workers(launcher_pid):
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == launcher_pid:
+                kids.append(int(d))
+    return kids
+
+
+def _gone(pids, timeout=60):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        if not alive:
+            return []
+        time.sleep(0.5)
+    return alive
+
+
+def _final_weights(out):
+    from paddletune.models.hf import SafetensorsFile
+
+    f = SafetensorsFile(str(out / "model.safetensors"))
+    return {k: f.get(k) for k in f.keys()}
+
+
+def test_launcher_killed_then_stopped_then_resumed_exactly(tmp_path):
+    """A 2-rank job: SIGKILL of the launcher's process group ends both workers (within 60 s,
+    each saying so with exit 143); the rerun stopped by a user's SIGINT to the launcher says
+    "stopped by the launcher" on each rank (exit 143, no "another rank failed"); a third run
+    finishes, and its model equals that of an uninterrupted run (resumed exactly)."""
+    import signal
+
+    out, steps = tmp_path / "out", 12
+    job = _start_launch(out, tmp_path / "log1", steps)
+    try:
+        assert _wait_for(out / "checkpoint-2", job), open(tmp_path / "log1" / "workerlog.0").read()[-3000:]
+        workers = _workers(job.pid)
+        assert len(workers) == 2, workers
+        os.killpg(job.pid, signal.SIGKILL)      # the launcher and its group; workers have their own
+        job.wait(timeout=30)
+        assert _gone(workers) == [], "workers outlived their launcher by 60 s"
+    finally:
+        for p in _workers(job.pid):
+            os.kill(p, signal.SIGKILL)
+    for r in (0, 1):
+        log = open(tmp_path / "log1" / f"workerlog.{r}").read()
+        assert f"rank {r} of 2: the launcher (PID {job.pid}) is gone; stopping at step" in log, log[-2000:]
+        assert "rerun the same command to resume (exit 143)" in log
+        assert "Traceback" not in log
+    from paddletune.stopping import newest_checkpoint
+
+    resumed = int(newest_checkpoint(str(out)).rsplit("-", 1)[1])
+    job = _start_launch(out, tmp_path / "log2", steps)
+    try:
+        assert _wait_for(out / f"checkpoint-{resumed + 2}", job)
+        os.kill(job.pid, signal.SIGINT)          # a user's Ctrl-C to the launcher
+        job.wait(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    for r in (0, 1):
+        log = open(tmp_path / "log2" / f"workerlog.{r}").read()
+        line = [x for x in log.splitlines() if "stopped by the launcher" in x]
+        assert len(line) == 1 and line[0].startswith(f"rank {r} of 2 stopped by the launcher (SIGTERM) at step "), log[-2000:]
+        assert "newest checkpoint" in line[0] and line[0].endswith("rerun the same command to resume (exit 143)")
+        assert "another rank" not in log and "Traceback" not in log
+        assert f"RESUMING from {out}/checkpoint-{resumed} " in log or r == 1
+    job = _start_launch(out, tmp_path / "log3", steps)
+    assert job.wait(timeout=300) == 0, open(tmp_path / "log3" / "workerlog.0").read()[-3000:]
+    ref = _start_launch(tmp_path / "ref", tmp_path / "logref", steps)
+    assert ref.wait(timeout=300) == 0
+    a, b = _final_weights(out), _final_weights(tmp_path / "ref")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_single_process_sigint_is_one_line_exit_130(tmp_path):
+    """Ctrl-C in a single process: one line naming the step and newest checkpoint, exit 130, the
+    output_dir lock released; no paddle internals printed."""
+    import signal
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, SCRIPT, SFT, "--output_dir", str(out), "--max_steps", "100000"] + TRAIN,
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(out / "checkpoint-2", p)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert p.returncode == 130, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("stopped by the user (SIGINT) at step "), err[-2000:]
+    assert f"newest checkpoint {out}/checkpoint-" in lines[0]
+    assert lines[0].endswith("rerun the same command to resume (exit 130)")
+    assert not (out / ".paddletune.lock").exists()
+
+
+SIGACTION_PROBE = r"""
+import ctypes, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(256)          # struct sigaction; sa_handler is its first field
+def handler(sig):
+    assert libc.sigaction(sig, None, buf) == 0
+    return ctypes.c_void_p.from_buffer(buf).value
+signal.signal(signal.SIGUSR2, lambda *a: None)   # a handler installed by Python: its C address
+python_handler = handler(signal.SIGUSR2)
+import paddle
+before = handler(signal.SIGTERM)                 # paddle's own C handler
+from paddletune import stopping
+stopping.install()
+print(before not in (None, 0) and before != python_handler, handler(signal.SIGTERM) == python_handler,
+      handler(signal.SIGINT) == python_handler)
+"""
+
+
+def test_handlers_are_ours_after_paddle_by_sigaction():
+    """The real disposition (sigaction), not signal.getsignal: paddle's import leaves its own C
+    handler on SIGTERM; after install() SIGTERM and SIGINT run Python's (ours)."""
+    r = subprocess.run([sys.executable, "-c", SIGACTION_PROBE], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["True", "True", "True"], r.stdout + r.stderr[-2000:]
