@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
 
@@ -177,7 +178,8 @@ def publish_into(out_dir, stale_patterns=()):
     import fnmatch
 
     os.makedirs(out_dir, exist_ok=True)
-    tmp = umask_mode(tempfile.mkdtemp(prefix=".tmp-save-", dir=out_dir), directory=True)
+    tmp = umask_mode(tempfile.mkdtemp(prefix=f"{SAVE_PREFIX}{os.getpid()}-{socket.gethostname()}-",
+                                      dir=out_dir), directory=True)
     try:
         yield tmp
         new = sorted(os.listdir(tmp))
@@ -194,6 +196,43 @@ def publish_into(out_dir, stale_patterns=()):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    clean_dead_saves(out_dir)
+
+
+SAVE_PREFIX = ".tmp-save-"   # + owner PID + "-" + host + "-" + mkdtemp's random part
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_dead_saves(out_dir, unowned=False):
+    """Remove the temp dirs of publish_into in `out_dir` whose owner process (on this host) is
+    dead: an export killed mid-write leaves one with a partial shard. `unowned` also removes those
+    of older versions, which record no owner: only under the output_dir lock at start, when no
+    save of this job can be running. Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return removed
+    host = socket.gethostname()
+    for name in names:
+        if not name.startswith(SAVE_PREFIX):
+            continue
+        pid, _, rest = name[len(SAVE_PREFIX):].partition("-")
+        legacy = not (pid.isdigit() and rest)
+        owned = not legacy and rest.rpartition("-")[0] == host
+        if (owned and not _alive(int(pid))) or (unowned and legacy):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            removed.append(os.path.join(out_dir, name))
+    return removed
 
 
 def _fsync_dir(path):

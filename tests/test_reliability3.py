@@ -338,3 +338,51 @@ def test_handlers_are_ours_after_paddle_by_sigaction():
     r = subprocess.run([sys.executable, "-c", SIGACTION_PROBE], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["True", "True", "True"], r.stdout + r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ 4: leftovers
+
+KILLED_EXPORT = r"""
+import os, signal, sys
+from paddletune.io import publish_into
+with publish_into(sys.argv[1]) as tmp:
+    with open(os.path.join(tmp, "model-00001-of-00002.safetensors"), "wb") as f:
+        f.write(b"\0" * 100000)
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)     # killed mid-write, as a final export can be
+"""
+
+
+def test_leftovers_of_a_killed_export_and_log_of_a_killed_run(tmp_path, capsys):
+    """A save killed mid-write leaves .tmp-save-<pid>-...; the next run (under the lock) removes
+    it, keeps the temp dir of a live owner and anything else; a run restarted after being killed
+    before its first checkpoint does not repeat its records in train_log.jsonl."""
+    import socket
+
+    from conftest import load_script
+    from paddletune.io import clean_dead_saves
+
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(out)], env=_env(), timeout=60)
+    assert r.returncode == -9
+    dead = [n for n in os.listdir(out) if n.startswith(".tmp-save-")]
+    assert len(dead) == 1 and os.listdir(out / dead[0]) == ["model-00001-of-00002.safetensors"]
+    live = out / f".tmp-save-{os.getpid()}-{socket.gethostname()}-abcdefgh"   # this process: alive
+    live.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert clean_dead_saves(str(out)) == [str(out / dead[0])]
+    assert sorted(os.listdir(out)) == sorted([live.name, "notes.txt"])
+    # a legacy temp dir (no owner recorded) goes only at the start of a run, under the lock
+    (out / ".tmp-save-q1w2e3r4").mkdir()
+    assert clean_dead_saves(str(out)) == [] and (out / ".tmp-save-q1w2e3r4").exists()
+    # the run: killed before its first checkpoint (its log has steps 1, 2), then started again
+    (out / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2)))
+    ft = load_script("llm/finetune_generation.py")
+    code = ft.main([SFT, "--output_dir", str(out), "--max_steps", "3", "--save_strategy", "no"] + TRAIN[:-4])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    steps = [json.loads(line).get("step") for line in open(out / "train_log.jsonl")]
+    train_steps = [s for s in steps if s is not None]
+    assert sorted(set(train_steps)) == train_steps and train_steps[:3] == [1, 2, 3], steps
+    assert not (out / ".tmp-save-q1w2e3r4").exists() and live.exists()
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-save-") and n != live.name]

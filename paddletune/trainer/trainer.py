@@ -385,6 +385,8 @@ class Trainer:
         warmup = a.warmup_steps if a.warmup_steps > 0 else math.ceil(a.warmup_ratio * total)
         if a.resume_from_checkpoint:
             self._log_resume(self._resume(a.resume_from_checkpoint), total, source.steps_per_epoch)
+        elif self.main and self.state["global_step"] == 0:   # a fresh start: drop the records of a
+            self._rewrite_log([])                            # run killed before its first checkpoint
         self._log_start(total)
         self.reporter = reporting.Reporter.for_trainer(self)   # rank 0: report_to, the PNG at the end
         if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
