@@ -386,3 +386,35 @@ def test_leftovers_of_a_killed_export_and_log_of_a_killed_run(tmp_path, capsys):
     assert sorted(set(train_steps)) == train_steps and train_steps[:3] == [1, 2, 3], steps
     assert not (out / ".tmp-save-q1w2e3r4").exists() and live.exists()
     assert not [n for n in os.listdir(out) if n.startswith(".tmp-save-") and n != live.name]
+
+
+# ------------------------------------------------------------------ 6: pre-training mixtures
+
+def test_mixture_weights_and_index_of_another_corpus(tmp_path):
+    """NaN / zero / infinite blend weights are refused naming the corpus (a NaN weight used to drop
+    its corpus silently: half the samples); an .idx of another corpus, or of another dtype, next
+    to a .bin is refused naming both files; the untouched mixture uses both corpora."""
+    from paddletune.data.pretrain import CorpusError, build_pretrain_datasets, write_corpus
+
+    rng = np.random.default_rng(0)
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for prefix, n in ((a, 40), (b, 40), (c, 30)):
+        write_corpus(prefix, [rng.integers(3, 500, 37) for _ in range(n)], vocab_size=500)
+    train, _, _ = build_pretrain_datasets(f"1 {a} 1 {b}", "1,0,0", 32)
+    single, _, _ = build_pretrain_datasets(a, "1,0,0", 32)
+    assert len(train) == 2 * len(single)   # both corpora, equal weights (hand count: 40*37 // 32 each)
+    assert len(single) == 40 * 37 // 32
+    for w in ("nan", "0", "inf", "-1"):
+        with pytest.raises(CorpusError, match=f"the weight '{w}' of {b} must be a finite number above 0"):
+            build_pretrain_datasets(f"1 {a} {w} {b}", "1,0,0", 32)
+    shutil.copy(c + ".idx", b + ".idx")                     # another corpus's index beside b.bin
+    with pytest.raises(CorpusError, match=rf"{b}.bin: holds 1480 tokens, the index {b}.idx names 1110"):
+        build_pretrain_datasets(f"1 {a} 1 {b}", "1,0,0", 32)
+    write_corpus(b, [rng.integers(3, 500, 37) for _ in range(40)], dtype=np.int32)
+    raw = bytearray(open(b + ".idx", "rb").read())
+    raw[17] = 8                                              # the dtype code says uint16: 2x the tokens
+    open(b + ".idx", "wb").write(bytes(raw))
+    # read as uint16: 2960 tokens; the byte pointers now give starts 0, 74, ..., 39*74 and the
+    # index names 39*74 + 37 = 2923 tokens
+    with pytest.raises(CorpusError, match=rf"{b}.bin: holds 2960 tokens, the index {b}.idx names 2923"):
+        build_pretrain_datasets(b, "1,0,0", 32)
