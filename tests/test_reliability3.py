@@ -418,3 +418,29 @@ def test_mixture_weights_and_index_of_another_corpus(tmp_path):
     # index names 39*74 + 37 = 2923 tokens
     with pytest.raises(CorpusError, match=rf"{b}.bin: holds 2960 tokens, the index {b}.idx names 2923"):
         build_pretrain_datasets(b, "1,0,0", 32)
+
+
+# ------------------------------------------------------------------ 5: lazy data checked first
+
+def test_bad_lazy_line_is_found_before_training(tmp_path, capsys):
+    """A bad line deep in a streamed (lazy) file (beyond the 8 lines checked before) fails
+    before the first step (default lazy_check: true), naming file and line; nothing is trained
+    or written. (lazy_check: false, the line met while streaming on rank 1 of a launched job:
+    test_reliability_launch.py.)"""
+    from conftest import load_script
+
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "paddletune", "assets", "sample-sft", "train.json"))][:200]
+    lines = [json.dumps(r) for r in rows]
+    lines[179] = '{"src": "cut off", "tgt": '
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.json").write_text("\n".join(lines) + "\n")
+    ft = load_script("llm/finetune_generation.py")
+    args = [SFT, "--dataset_name_or_path", str(tmp_path / "data"), "--lazy", "true", "--max_steps", "400",
+            "--save_strategy", "no"] + TRAIN[:-4]
+    code = ft.main(args + ["--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and line == [f"error: {tmp_path}/data/train.json:180: not valid JSON "
+                                  "(Expecting value at column 1)"], err[-2000:]
+    assert not (tmp_path / "out" / "train_log.jsonl").exists()
+    assert "loaded " not in err   # before the model is loaded
