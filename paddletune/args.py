@@ -644,7 +644,7 @@ def _paddlenlp_post_init(args, sources, warn):
         warn("do_eval: true with evaluation_strategy 'no': evaluation_strategy set to 'steps' "
              "(PaddleNLP's rule; set evaluation_strategy: epoch to evaluate once per epoch)")
         args.evaluation_strategy = "steps"
-    if args.evaluation_strategy == "steps" and not args.eval_steps:
+    if args.evaluation_strategy == "steps" and args.eval_steps is None:   # 0 is refused below
         args.eval_steps = args.logging_steps
     if args.load_best_model_at_end:
         if args.evaluation_strategy != args.save_strategy:

@@ -9,6 +9,7 @@ usual 022), like files any other tool writes: mkstemp / mkdtemp alone would make
 unreadable to the other users of a machine once renamed into place.
 """
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -193,8 +194,11 @@ def publish_into(out_dir, stale_patterns=()):
         for name in sorted(new, key=lambda n: n in MARKER_FILES):
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
         os.rmdir(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and not e.filename:
+            raise OSError(errno.ENOSPC, "disk full while saving the model (nothing partial was "
+                          "kept; free some space and run the same command again) in", out_dir) from None
         raise
     clean_dead_saves(out_dir)
 

@@ -444,3 +444,66 @@ def test_bad_lazy_line_is_found_before_training(tmp_path, capsys):
                                   "(Expecting value at column 1)"], err[-2000:]
     assert not (tmp_path / "out" / "train_log.jsonl").exists()
     assert "loaded " not in err   # before the model is loaded
+
+
+# ------------------------------------------------------------------ 7: smaller items
+
+def test_smaller_items(tmp_path, capsys, caplog, monkeypatch):
+    """Non-UTF-8 input to preprocess_data names file and line; random bytes as a .bin are "not a
+    PyTorch checkpoint", not a hostile object; a disk full during an export names the directory;
+    eval_steps 0 is refused; DPO pairs with chosen == rejected are warned about."""
+    import errno
+
+    from conftest import load_script
+    from paddletune.args import ArgumentError, parse_args
+
+    src = tmp_path / "docs.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')   # latin-1 on line 2
+    pre = load_script("tools/preprocess_data.py")
+    code = pre.main(["--model_name_or_path", "paddletune/tiny-llama", "--input_path", str(src),
+                     "--output_prefix", str(tmp_path / "corpus")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {src}:2: not UTF-8 text (byte 13 of the line: b'\\xe9')" in err, err[-2000:]
+    assert not list(tmp_path.glob("corpus*"))
+    # random bytes where a pytorch_model.bin belongs
+    conv = load_script("tools/convert_checkpoint.py")
+    rnd = tmp_path / "pytorch_model.bin"
+    rnd.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    with pytest.raises(conv.ConvertError, match="is not a PyTorch checkpoint: its bytes are not a pickle"):
+        list(conv.torch_tensors([str(rnd)]))
+    # ENOSPC while the final model is written
+    from paddletune.models import build_model, hf, load_config, resolve_model_path, save_pretrained
+
+    model = build_model(load_config(resolve_model_path("paddletune/tiny-llama"))[1], seed=0)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(hf, "write_weights", full)
+    out = tmp_path / "export"
+    with pytest.raises(OSError) as e:
+        save_pretrained(model, str(out))
+    from paddletune.cli import report
+
+    assert report(e.value) == (2, f"error: disk full while saving the model (nothing partial was kept; "
+                                  f"free some space and run the same command again) in: {out}")
+    assert os.listdir(out) == []
+    monkeypatch.undo()
+    # eval_steps: 0
+    with pytest.raises(ArgumentError, match="eval_steps"):
+        parse_args([SFT, "--output_dir", str(tmp_path / "o"), "--evaluation_strategy", "steps", "--eval_steps", "0",
+                    "--load_best_model_at_end", "false"])
+    # DPO: chosen == rejected
+    from paddletune.alignment.data import PairTokenizer, load_preference_split
+    from paddletune.tokenizer import load_tokenizer
+
+    rows = [{"prompt": "q1", "chosen": "a b", "rejected": "a b"},
+            {"prompt": "q2", "chosen": "yes", "rejected": "no"}]
+    (tmp_path / "dpo").mkdir()
+    (tmp_path / "dpo" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    caplog.set_level("WARNING", "paddletune")
+    tok = load_tokenizer("paddletune/tiny-llama")
+    ds = load_preference_split(str(tmp_path / "dpo" / "train.jsonl"), "train_dataset_path", "dpo",
+                               PairTokenizer(tok, None, 64, 128))
+    assert len(ds) == 2
+    assert f"1 of 2 pairs have a chosen answer equal to the rejected one (they teach nothing), e.g. " \
+           f"{tmp_path}/dpo/train.jsonl:1" in caplog.text
