@@ -68,11 +68,15 @@ def newest_checkpoint(output_dir):
 
 
 def where():
-    """'at step N; newest checkpoint X' (or 'before training started; no checkpoint yet')."""
+    """' at step N; newest checkpoint X; rerun the same command to resume' while training ('' for
+    a script that does not train: a predictor, a merge)."""
     step, out = STATE["step"], STATE["output_dir"]
-    ck = newest_checkpoint(out) if out else None
+    if out is None:
+        return ""
+    ck = newest_checkpoint(out)
     at = f"at step {step}" if step is not None else "before the first training step"
-    return f"{at}; newest checkpoint {ck}" if ck else f"{at}; no checkpoint saved yet"
+    return (f" {at}; newest checkpoint {ck}" if ck else f" {at}; no checkpoint saved yet") + \
+        "; rerun the same command to resume"
 
 
 def _marker():
@@ -118,21 +122,20 @@ def _on_signal(signum, frame):
     name = signal.Signals(signum).name
     code = 130 if signum == signal.SIGINT else 143
     if world <= 1:
-        _leave(f"stopped by the user ({name}) {where()}; rerun the same command to resume", code)
+        _leave(f"stopped by the user ({name}){where()}", code)
     if _LAUNCHER["pid"] and os.getppid() != _LAUNCHER["pid"]:
         _launcher_gone()
     failed = _failed_rank()
     if failed is not None:
         _leave(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job "
                f"failed (rank {failed}: its error is above, or in its workerlog)", code)
-    _leave(f"rank {rank} of {world} stopped by the launcher ({name}) {where()}; rerun the same "
-           "command to resume", code)
+    _leave(f"rank {rank} of {world} stopped by the launcher ({name}){where()}", code)
 
 
 def _launcher_gone():
     world, rank = _world()
-    _leave(f"rank {rank} of {world}: the launcher (PID {_LAUNCHER['pid']}) is gone; stopping "
-           f"{where()}; rerun the same command to resume", 143)
+    _leave(f"rank {rank} of {world}: the launcher (PID {_LAUNCHER['pid']}) is gone; stopping"
+           f"{where()}", 143)
 
 
 def _watch(pid):
@@ -156,14 +159,14 @@ def _sweep(launcher):
 def install():
     """Install the handlers (and, under the launcher, the watcher) once per process; returns the
     previous handlers (restored by restore)."""
-    import paddle  # noqa: F401 - paddle's own C handlers must be in place before ours
-
+    world, _ = _world()
+    if "paddle" in sys.modules or world > 1:   # (a tool that never imports paddle is spared it)
+        import paddle  # noqa: F401 - paddle's own C handlers must be in place before ours
     if threading.current_thread() is not threading.main_thread():
         return None
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in old:
         signal.signal(s, _on_signal)
-    world, _ = _world()
     if world > 1 and _LAUNCHER["pid"] is None:
         _LAUNCHER["pid"] = launcher = os.getppid()
         _sweep(launcher)
