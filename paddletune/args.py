@@ -130,6 +130,7 @@ class DataArgument:
     pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
     pad_to_max_length: bool = F(False, "pad every batch to max_length")
     lazy: bool = F(False, "stream the train JSON lines without loading them (file order, needs max_steps; dev data is loaded)")
+    lazy_check: bool = F(True, "lazy data: check every train line before training (a streaming pass by rank 0, bounded memory; the other ranks wait); false for very large corpora: lines are then checked as they are streamed")
     skip_invalid_lines: bool = F(False, "skip (and log, with a count) data lines that are not valid JSON or not a usable example, instead of stopping; for large streamed (lazy) files")
     chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
     eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")
@@ -643,7 +644,7 @@ def _paddlenlp_post_init(args, sources, warn):
         warn("do_eval: true with evaluation_strategy 'no': evaluation_strategy set to 'steps' "
              "(PaddleNLP's rule; set evaluation_strategy: epoch to evaluate once per epoch)")
         args.evaluation_strategy = "steps"
-    if args.evaluation_strategy == "steps" and not args.eval_steps:
+    if args.evaluation_strategy == "steps" and args.eval_steps is None:   # 0 is refused below
         args.eval_steps = args.logging_steps
     if args.load_best_model_at_end:
         if args.evaluation_strategy != args.save_strategy:

@@ -18,14 +18,16 @@ Under paddle.distributed.launch (several ranks) an error on one rank must end th
 rank prints its line and leaves at once with os._exit, skipping the interpreter's teardown (which
 can wait on the process group). The launcher sees a rank fail and stops the others, including a
 rank blocked in a collective that waits for the failed one (SIGTERM, then SIGKILL after 3 s);
-a rank stopped that way says so in one line when python gets to run.
+a rank stopped that way says so in one line when python gets to run (stopping.py: SIGINT /
+SIGTERM, a user's stop, and the launcher's death).
 """
 import functools
 import os
-import signal
 import sys
 import time
 import traceback
+
+from . import stopping
 
 USER_ERRORS = (ValueError, OSError, ArithmeticError, MemoryError)
 
@@ -70,14 +72,6 @@ def _lost_peer(e):
         any(m in text for m in LOST_PEER) or "gloo/transport" in text)   # gloo: reset, TIMEOUT
 
 
-def _on_sigterm(signum, frame):
-    world, rank = _world()
-    print(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job failed "
-          "(its error is above, or in its workerlog)", file=sys.stderr, flush=True)
-    _release()
-    os._exit(128 + signum)
-
-
 def _release():
     from . import outdir
 
@@ -92,8 +86,7 @@ def entry(main):
     @functools.wraps(main)
     def run(*args, **kwargs):
         world, _ = _world()
-        if world > 1 and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _on_sigterm)
+        handlers = stopping.install()   # SIGINT / SIGTERM, the launcher's death (stopping.py)
         try:
             return main(*args, **kwargs)
         except (KeyboardInterrupt, SystemExit):
@@ -102,6 +95,8 @@ def entry(main):
             if debug():
                 traceback.print_exc()
             code, line = report(e)
+            if world > 1 and not _lost_peer(e):
+                stopping.mark_failed(_world()[1])   # the others' SIGTERM says "another rank failed"
             if world > 1 and _lost_peer(e):
                 # another rank failed first and its error is the one to show: the launcher names
                 # the first failed rank it sees, so give it time to see that one and stop this
@@ -119,4 +114,5 @@ def entry(main):
             return code
         finally:
             _release()
+            stopping.restore(handlers)
     return run

@@ -9,9 +9,12 @@ usual 022), like files any other tool writes: mkstemp / mkdtemp alone would make
 unreadable to the other users of a machine once renamed into place.
 """
 import contextlib
+import errno
 import json
 import os
 import shutil
+import socket
+import stat
 import tempfile
 
 MARKER_FILES = ("config.json", "adapter_config.json")
@@ -70,14 +73,75 @@ def write_json(path, obj, indent=2):
         raise
 
 
-def read_json(path, what="file"):
+# Size caps for files read from a model or data directory (untrusted input: a downloaded
+# checkpoint). The largest published files of each kind are well below them (tokenizer.json:
+# ~35 MB for Gemma's 256k vocabulary; config.json / tokenizer_config.json: well under 1 MB).
+JSON_CAP = 64 << 20          # JSON metadata: indexes, trainer state, configs
+CONFIG_CAP = 4 << 20         # config.json, generation_config.json, adapter_config.json
+TOKENIZER_CAP = 128 << 20    # tokenizer.json, vocabulary files
+TEMPLATE_CAP = 1 << 20       # a chat template (.jinja / chat_template.json)
+
+
+def read_capped(path, cap=JSON_CAP, what="file"):
+    """The bytes of `path`, refusing anything but a regular file of at most `cap` bytes.
+
+    Symbolic links are followed and the file they end at is checked (fstat of the opened file,
+    so the check and the read are on the same file). A FIFO, a device (/dev/zero), a socket or a
+    directory is refused: O_NONBLOCK keeps open() from waiting on a FIFO with no writer. The size
+    is checked by reading at most cap + 1 bytes, not by trusting stat (a file may grow while it is
+    read, and /proc files report size 0)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {path}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
+            real = os.path.realpath(path)
+            via = f" (a link to {real})" if real != os.path.abspath(path) else ""
+            raise ValueError(f"{path}{via} is {kind}, not a regular file: refusing to read it as "
+                             f"the {what}; put the real file there")
+        os.set_blocking(fd, True)
+        chunks, left = [], cap + 1
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        raise ValueError(f"{path}: the {what} is larger than {cap >> 20} MB, the most read for such a "
+                         "file: it is damaged or not the file its name says; copy it again")
+    return data
+
+
+def read_text(path, cap=JSON_CAP, what="file"):
+    """read_capped(...) decoded as UTF-8; a decoding error names the file and the byte."""
+    data = read_capped(path, cap, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: the {what} is not UTF-8 text (byte {e.start}: "
+                         f"{data[e.start:e.start + 1]!r})") from None
+
+
+def read_json(path, what="file", cap=None):
+    """JSON from `path` through read_capped (a regular file of at most `cap` bytes; default
+    CONFIG_CAP for *config.json files, JSON_CAP for others)."""
+    if cap is None:
+        cap = CONFIG_CAP if os.path.basename(str(path)).endswith("config.json") else JSON_CAP
+    text = read_text(path, cap, what)
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 def temp_dir_beside(path):
@@ -115,7 +179,8 @@ def publish_into(out_dir, stale_patterns=()):
     import fnmatch
 
     os.makedirs(out_dir, exist_ok=True)
-    tmp = umask_mode(tempfile.mkdtemp(prefix=".tmp-save-", dir=out_dir), directory=True)
+    tmp = umask_mode(tempfile.mkdtemp(prefix=f"{SAVE_PREFIX}{os.getpid()}-{socket.gethostname()}-",
+                                      dir=out_dir), directory=True)
     try:
         yield tmp
         new = sorted(os.listdir(tmp))
@@ -129,9 +194,49 @@ def publish_into(out_dir, stale_patterns=()):
         for name in sorted(new, key=lambda n: n in MARKER_FILES):
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
         os.rmdir(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and not e.filename:
+            raise OSError(errno.ENOSPC, "disk full while saving the model (nothing partial was "
+                          "kept; free some space and run the same command again) in", out_dir) from None
         raise
+    clean_dead_saves(out_dir)
+
+
+SAVE_PREFIX = ".tmp-save-"   # + owner PID + "-" + host + "-" + mkdtemp's random part
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_dead_saves(out_dir, unowned=False):
+    """Remove the temp dirs of publish_into in `out_dir` whose owner process (on this host) is
+    dead: an export killed mid-write leaves one with a partial shard. `unowned` also removes those
+    of older versions, which record no owner: only under the output_dir lock at start, when no
+    save of this job can be running. Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return removed
+    host = socket.gethostname()
+    for name in names:
+        if not name.startswith(SAVE_PREFIX):
+            continue
+        pid, _, rest = name[len(SAVE_PREFIX):].partition("-")
+        legacy = not (pid.isdigit() and rest)
+        owned = not legacy and rest.rpartition("-")[0] == host
+        if (owned and not _alive(int(pid))) or (unowned and legacy):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            removed.append(os.path.join(out_dir, name))
+    return removed
 
 
 def _fsync_dir(path):

@@ -222,6 +222,10 @@ def claim(output_dir, key="output_dir"):
     check_writable(output_dir, key)
     lock = OutputLock(output_dir).acquire()
     _HELD.append(lock)
+    from .io import clean_dead_saves
+
+    for path in clean_dead_saves(lock.dir, unowned=True):   # an export killed mid-write
+        logger.info("removed %s, left by an interrupted save", path)
     return lock
 
 

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 
-from .io import read_json
+from .io import CONFIG_CAP, TEMPLATE_CAP, TOKENIZER_CAP, read_capped, read_json, read_text
 
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
          "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -34,13 +34,38 @@ def _tokenizer_class(path):
     """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
     one (ModelSpec.tokenizer_classes says which), else Tokenizer."""
     conf = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(conf):
+    if os.path.lexists(conf):
         from .models.spec import tokenizer_class_for
 
-        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"), path)
+        d = read_json(conf, "tokenizer_config.json", CONFIG_CAP)
+        cls = tokenizer_class_for(d.get("tokenizer_class") if isinstance(d, dict) else None, path)
         if cls is not None:
             return cls
     return Tokenizer
+
+
+MAX_VOCAB = 1 << 24   # tokens in one vocabulary (the largest published: ~256k); ids fit int32
+
+
+def _check_tokenizer_json(path, d):
+    """The added tokens of a parsed tokenizer.json, after sanity checks made before the
+    `tokenizers` library builds it (which takes ~30x the file's size in memory): at most
+    MAX_VOCAB tokens, and no more BPE merges than vocabulary entries (each merge makes one)."""
+    if not isinstance(d, dict) or not isinstance(d.get("model", {}), dict):
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json (expected an object with 'model')")
+    model, added = d.get("model") or {}, d.get("added_tokens") or []
+    vocab, merges = model.get("vocab") or {}, model.get("merges") or []
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("id"), int)
+                                               and isinstance(t.get("content"), str) for t in added):
+        raise ValueError(f"{path}: 'added_tokens' must be a list of {{id, content}} objects")
+    if len(vocab) + len(added) > MAX_VOCAB or any(not 0 <= t["id"] < MAX_VOCAB for t in added):
+        raise ValueError(f"{path}: {len(vocab) + len(added)} tokens or an id beyond {MAX_VOCAB}: "
+                         "no model has a vocabulary that large; the file is damaged or hostile")
+    if len(merges) > max(len(vocab), 1):
+        raise ValueError(f"{path}: {len(merges)} BPE merges for {len(vocab)} vocabulary entries "
+                         "(each merge makes one entry, so there cannot be more): the file is "
+                         "damaged or hostile")
+    return added
 
 
 class Tokenizer:
@@ -69,28 +94,41 @@ class Tokenizer:
                 self.added[t.content] = i
                 if t.special:
                     self.special_ids.add(i)
-        elif os.path.exists(tj):
+        elif os.path.lexists(tj):
             from tokenizers import Tokenizer as _Tok
 
             self.backend = "tokenizers"
+            raw = read_capped(tj, TOKENIZER_CAP, "tokenizer.json")
             try:
-                with open(tj, encoding="utf-8") as f:
-                    added = json.load(f).get("added_tokens") or []
-                self._tok = _Tok.from_file(tj)
+                try:
+                    text = raw.decode("utf-8")
+                    d = json.loads(text)
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                    raise RuntimeError(e) from None   # reported as the damaged-file error below
+                added = _check_tokenizer_json(tj, d)
+                self._tok = _Tok.from_str(text)
                 for t in added:
                     self.added[t["content"]] = t["id"]
                     if t.get("special"):
                         self.special_ids.add(t["id"])
+            except ValueError:
+                raise
             except Exception as e:   # tokenizers raises its own Exception type on a bad file
                 raise ValueError(f"{tj} cannot be read as a tokenizer ({str(e)[:200] or type(e).__name__}): "
                                  "the file is damaged or not a Hugging Face tokenizer.json; copy "
                                  "it again from the checkpoint") from None
-        elif os.path.exists(tm):
+        elif os.path.lexists(tm):
             import sentencepiece as spm
 
             self.backend = "sentencepiece"
             try:
-                self._sp = spm.SentencePieceProcessor(model_file=tm)
+                self._sp = spm.SentencePieceProcessor(
+                    model_proto=read_capped(tm, TOKENIZER_CAP, "tokenizer.model"))
+            except ValueError as e:
+                if str(e).startswith(tm):
+                    raise
+                raise ValueError(f"{tm} cannot be read as a sentencepiece model ({str(e)[:200]}): "
+                                 "the file is damaged; copy it again from the checkpoint") from None
             except Exception as e:   # sentencepiece raises RuntimeError/OSError on a bad model
                 raise ValueError(f"{tm} cannot be read as a sentencepiece model ({str(e)[:200]}): "
                                  "the file is damaged; copy it again from the checkpoint") from None
@@ -142,7 +180,7 @@ class Tokenizer:
 
     def _read_optional(self, name):
         p = os.path.join(self.path, name)
-        d = read_json(p) if os.path.exists(p) else {}
+        d = read_json(p, name, CONFIG_CAP) if os.path.lexists(p) else {}
         if not isinstance(d, dict):
             raise ValueError(f"{p}: must hold one JSON object")
         return d
@@ -152,9 +190,10 @@ class Tokenizer:
         if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
             t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
         jinja = os.path.join(self.path, "chat_template.jinja")
-        if t is None and os.path.exists(jinja):
-            with open(jinja, encoding="utf-8") as f:
-                t = f.read()
+        self._template_file = os.path.join(self.path, "tokenizer_config.json") + " chat_template"
+        if t is None and os.path.lexists(jinja):
+            t = read_text(jinja, TEMPLATE_CAP, "chat template")
+            self._template_file = jinja
         return t
 
     # ------------------------------------------------------------------ chat template
@@ -168,7 +207,7 @@ class Tokenizer:
 
             pd = os.path.join(self.path, "chat_template.json")
             if self.chat_template is not None:
-                self._template = load_template(self.chat_template, f"{self.path} chat_template")
+                self._template = load_template(self.chat_template, getattr(self, "_template_file", f"{self.path} chat_template"))
             elif os.path.exists(pd):
                 self._template = load_template(pd)
             self._template_set = True

@@ -88,7 +88,7 @@ def test_bad_line_on_one_rank_ends_every_rank(tmp_path):
     (tmp_path / "data" / "train.json").write_text("\n".join(lines) + "\n")
     t0 = time.time()
     r = launch([SCRIPT, SFT, "--output_dir", str(tmp_path / "out"), "--dataset_name_or_path",
-                str(tmp_path / "data"), "--lazy", "true", "--max_steps", "50"] + QUICK,
+                str(tmp_path / "data"), "--lazy", "true", "--lazy_check", "false", "--max_steps", "50"] + QUICK,
                nproc=2, log_dir=tmp_path / "log", timeout=300)
     wall = time.time() - t0
     logs = [open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)]

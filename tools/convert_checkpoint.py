@@ -87,6 +87,10 @@ def torch_tensors(files):
                 state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            if not found and re.search(r"Unsupported operand|invalid load key|EOF|truncated", str(e)):
+                raise ConvertError(f"{path} is not a PyTorch checkpoint: its bytes are not a pickle "
+                                   "of tensors (a damaged or incomplete download, or another "
+                                   "format); copy it again") from None
             what = f"the object {found.group(1)}" if found else "objects other than tensors"
             raise ConvertError(f"{path} holds {what}, not only tensors: it was refused before "
                                "anything in it ran. Loading it in full would run code from the "

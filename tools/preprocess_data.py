@@ -72,9 +72,14 @@ def _encode(item):
 
 
 def _lines(path):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            yield n, line
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: "
+                                 f"{raw[e.start:e.start + 1]!r}); convert the file to UTF-8 first "
+                                 "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def check(a):

@@ -38,6 +38,8 @@ another sequence, so packed and padded give the same log-probabilities).
 import glob
 import os
 
+import logging
+
 import numpy as np
 
 from ..data.chat_template import (ChatTemplateError, encode_segments, normalize_conversation,
@@ -261,7 +263,7 @@ class PreferenceDataset:
 
 def load_preference_split(path, key, kind, tokenizer):
     files = row_files(path, key)
-    examples = []
+    examples, same = [], []
     for f in files:
         for lineno, row in read_json_lines(f):
             where = f"{f}:{lineno}"
@@ -270,11 +272,17 @@ def load_preference_split(path, key, kind, tokenizer):
             e = {"prompt": np.asarray(prompt, np.int64), "id": len(examples)}
             if kind == "dpo":
                 e["chosen"], e["rejected"] = (np.asarray(a, np.int64) for a in answers)
+                if np.array_equal(e["chosen"], e["rejected"]):
+                    same.append(where)
             else:
                 e["completion"], e["label"] = np.asarray(answers[0], np.int64), label
             examples.append(e)
     if not examples:
         raise DataError(f"{key}={path}: no rows in {', '.join(files)}")
+    if same:   # such a pair has zero DPO gradient: it only dilutes the batch
+        logging.getLogger("paddletune").warning(
+            "%d of %d pairs have a chosen answer equal to the rejected one (they teach nothing), "
+            "e.g. %s", len(same), len(examples), ", ".join(same[:3]))
     if kind == "kto":   # the KL term's mismatched completions (see the module docstring)
         n = len(examples)
         for i, e in enumerate(examples):

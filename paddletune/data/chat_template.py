@@ -37,6 +37,8 @@ labels: -100 on the first piece, ids of "yo<|im_end|>" on the second, -100 on th
 import json
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -124,12 +126,72 @@ def _raise(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+# What one render may use (a template is untrusted input, from a downloaded checkpoint): CPU
+# seconds, characters of output, items of all range() calls together (jinja's sandbox bounds
+# each range on its own, not two nested ones), and the size of a `*` / `**` result. Real chat
+# templates render a conversation in milliseconds, with no ranges beyond the message count.
+RENDER_CPU_S = 10.0
+RENDER_CHARS = 16 << 20
+RANGE_ITEMS = 1_000_000
+_BUDGET = threading.local()
+
+
+class BudgetExceeded(ChatTemplateError):
+    pass
+
+
+def _charge(items=0):
+    """Count `items` against this render's range budget and check its CPU deadline."""
+    b = getattr(_BUDGET, "state", None)
+    if b is None:
+        return
+    b[1] += items
+    if b[1] > RANGE_ITEMS:
+        raise BudgetExceeded(f"its loops take more than {RANGE_ITEMS} range() items in one render")
+    if time.process_time() > b[0]:
+        raise BudgetExceeded(f"one render takes more than {RENDER_CPU_S:.0f} s of CPU time")
+
+
+def _budget_range(*args):
+    from jinja2.sandbox import safe_range
+
+    r = safe_range(*args)
+    _charge(len(r))
+    return r
+
+
+def _sandbox_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Budgeted(ImmutableSandboxedEnvironment):
+        """The sandbox with every call and every `*` / `**` charged to the render's budget."""
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            _charge()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            _charge()
+            if operator == "**" and isinstance(right, int) and abs(right) > 64 and not isinstance(left, float):
+                raise BudgetExceeded(f"a power {left!r} ** {right} is too large")
+            if operator == "*":
+                n = right if isinstance(left, (str, list, tuple)) else left
+                seq = left if isinstance(left, (str, list, tuple)) else right
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_CHARS:
+                    raise BudgetExceeded(f"a repetition makes {len(seq) * n} items, more than {RENDER_CHARS}")
+            return super().call_binop(context, operator, left, right)
+
+    return Budgeted
+
+
 @lru_cache(maxsize=None)
 def _environment(hf_semantics=True):
-    """Sandboxed jinja environment; with hf_semantics, the settings transformers uses."""
+    """Sandboxed jinja environment (with the render budget above); with hf_semantics, the
+    settings transformers uses."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    ImmutableSandboxedEnvironment = _sandbox_class()
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %} (HF assistant-mask marker): renders its body."""
@@ -144,12 +206,15 @@ def _environment(hf_semantics=True):
             return caller()
 
     if not hf_semantics:  # chat_template.json pieces: a trailing "\n" in a piece is meant literally
-        return ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        env.globals["range"] = _budget_range
+        return env
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
         json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
+    env.globals["range"] = _budget_range
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
@@ -161,6 +226,41 @@ def _compile(source, where, hf_semantics=True):
         return _environment(hf_semantics).from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{where}: chat template is not valid jinja (line {e.lineno}: {e.message})") from None
+
+
+def budgeted_render(compiled, where, **variables):
+    """compiled.render(**variables) under the render budget (RENDER_CPU_S of CPU, RENDER_CHARS
+    of output, RANGE_ITEMS of range()); any failure is a ChatTemplateError naming `where`."""
+    import jinja2
+
+    outer = getattr(_BUDGET, "state", None)
+    if outer is None:
+        _BUDGET.state = [time.process_time() + RENDER_CPU_S, 0]
+    try:
+        out, size = [], 0
+        for piece in compiled.generate(**variables):
+            size += len(piece)
+            if size > RENDER_CHARS:
+                raise BudgetExceeded(f"it renders more than {RENDER_CHARS} characters")
+            out.append(piece)
+            _charge()
+        return "".join(out)
+    except BudgetExceeded as e:
+        raise ChatTemplateError(f"{where}: the chat template exceeds the render budget: {e}; a chat "
+                                "template must render a conversation quickly (use a built-in: "
+                                + ", ".join(BUILTIN_TEMPLATES) + ")") from None
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"{where}: rendering failed: {e}") from None
+    except RecursionError:
+        raise ChatTemplateError(f"{where}: the chat template recurses without end (a macro that "
+                                "calls itself): rendering failed") from None
+    except (OverflowError, MemoryError, TypeError, ValueError, ArithmeticError, LookupError) as e:
+        if isinstance(e, ChatTemplateError):
+            raise
+        raise ChatTemplateError(f"{where}: rendering failed: {type(e).__name__}: {e}") from None
+    finally:
+        if outer is None:
+            _BUDGET.state = None
 
 
 @dataclass
@@ -180,13 +280,8 @@ class JinjaTemplate:
         self.compiled = _compile(source, where)
 
     def render(self, messages, add_generation_prompt=False, **context):
-        import jinja2
-
-        try:
-            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **context)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"{self.where}: rendering failed: {e}") from None
+        return budgeted_render(self.compiled, self.where, messages=messages,
+                               add_generation_prompt=add_generation_prompt, **context)
 
     def segments(self, messages, add_generation_prompt=False, **context):
         """Prompt/assistant pieces whose concatenation is render(messages, add_generation_prompt)."""
@@ -250,17 +345,17 @@ class RoundTemplate:
                 raise ChatTemplateError(f"{self.where}: PaddleNLP templates need user/assistant turns "
                                         f"alternating after an optional system message; message "
                                         f"{i + 1 + (sys is not None)} is {m['role']!r}")
-        head = self.system.render(system=sys or "", **context) if self.system is not None else ""
+        head = budgeted_render(self.system, self.where, system=sys or "", **context) if self.system is not None else ""
         out, prompt = [], head
         for i in range(0, len(rest), 2):
             user, index = rest[i]["content"], i // 2
             if i + 1 < len(rest):
-                out.append(Segment(prompt + self.user.render(user=user, index=index, **context)))
-                out.append(Segment(self.bot.render(bot=rest[i + 1]["content"], index=index, **context), rest[i + 1]))
+                out.append(Segment(prompt + budgeted_render(self.user, self.where, user=user, index=index, **context)))
+                out.append(Segment(budgeted_render(self.bot, self.where, bot=rest[i + 1]["content"], index=index, **context), rest[i + 1]))
                 prompt = ""
             else:
                 fmt = self.query if add_generation_prompt else self.user
-                prompt += fmt.render(query=user, user=user, index=index, **context)
+                prompt += budgeted_render(fmt, self.where, query=user, user=user, index=index, **context)
         if prompt:
             out.append(Segment(prompt))
         return out
@@ -285,9 +380,10 @@ def load_template(source, where="chat_template"):
         raise ChatTemplateError(f"{where}: expected a name, a path or template text, got {type(source).__name__}")
     if source in BUILTIN_TEMPLATES:
         return JinjaTemplate(BUILTIN_TEMPLATES[source], f"built-in chat template {source!r}")
-    if os.path.isfile(source):
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+    if os.path.lexists(source) and not os.path.isdir(source):
+        from ..io import TEMPLATE_CAP, read_text
+
+        text = read_text(source, TEMPLATE_CAP, "chat template")
         if source.endswith(".json"):
             try:
                 return _from_json(json.loads(text), source)

@@ -16,6 +16,7 @@ Memory: one chunk of tokenised examples, whatever the file size.
 """
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -24,13 +25,20 @@ from .packing import GREEDY_BUFFER, collate_packed, pack
 from .sft import DataError, LineSkipper, parse_json_line, read_json_lines
 
 CHUNK = GREEDY_BUFFER
+
+
+def _rank():
+    try:
+        return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    except ValueError:
+        return 0
 logger = logging.getLogger("paddletune")
 
 
 class LazyDataset:
     """Train files + the example builder; rows are tokenised when read. No __len__."""
 
-    def __init__(self, files, builder, check_lines=8, skip_invalid_lines=False):
+    def __init__(self, files, builder, check_lines=8, skip_invalid_lines=False, check_all=False):
         self.files = list(files)
         self.sizes = [os.path.getsize(f) for f in self.files]
         self.builder = builder
@@ -38,13 +46,39 @@ class LazyDataset:
         self.total = sum(self.sizes)
         if self.total == 0:
             raise DataError(f"train data is empty ({', '.join(self.files)})")
+        if skip_invalid_lines:    # bad lines are skipped and counted when streamed
+            return
+        if check_all and _rank() == 0:
+            self.check_every_line()   # the other ranks wait for rank 0 in their first collective
+            return
         for path in self.files:   # fail early on a malformed head, before any work
-            if skip_invalid_lines:    # (bad lines are skipped and counted when streamed)
-                continue
             for n, (lineno, row) in enumerate(read_json_lines(path)):
                 builder(row, f"{path}:{lineno}")
                 if n + 1 >= check_lines:
                     break
+
+    def check_every_line(self, progress_s=10.0):
+        """One streaming pass over every train line (JSON and the example builder's checks:
+        the same as when streamed), before training: a bad line fails now, naming file and line,
+        not after hundreds of steps. Memory: one line at a time. A progress line every
+        `progress_s` seconds on large files."""
+        done, last, t0 = 0, time.time(), time.time()
+        for path, size in zip(self.files, self.sizes):
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                        line = line[3:]
+                    done += len(line)
+                    if line.strip():
+                        where = f"{path}:{lineno}"
+                        self.builder(parse_json_line(line, where), where)
+                    if time.time() - last > progress_s:
+                        last = time.time()
+                        logger.info("lazy_check: checked %.0f%% of the train data (%d of %d bytes, "
+                                    "%s line %d); lazy_check: false skips this pass",
+                                    100 * done / self.total, done, self.total, path, lineno)
+        if time.time() - t0 > progress_s:
+            logger.info("lazy_check: every train line is valid (%.0f s)", time.time() - t0)
 
     def share(self, rank, world):
         """Byte range [lo, hi) of the stream whose lines belong to `rank`."""

@@ -43,6 +43,7 @@ sample counts samples.
 """
 import array
 import glob
+import math
 import os
 import struct
 
@@ -162,8 +163,30 @@ class IndexedCorpus:
         starts = np.append(self.seq_start, self.seq_start[-1] + self.sizes[-1] if len(self.sizes) else 0)
         self.doc_start = starts[d[:-1]]
         self.doc_len = starts[d[1:]] - self.doc_start
-        if len(self.tokens) < (starts[-1] if len(starts) else 0):
-            raise CorpusError(f"{files[1]}: holds {len(self.tokens)} tokens, the index names {starts[-1]}")
+        self._check_agrees(files, starts)
+
+    def _check_agrees(self, files, starts):
+        """The index must describe this token file exactly: its sequences laid end to end
+        (pointer s = the bytes of sequences before s) covering every token of the file, and a
+        file size that is a whole number of tokens of the index's dtype. An index of another
+        corpus beside a .bin (or one written for another dtype) fails here, naming both files."""
+        total = int(starts[-1]) if len(starts) else 0
+        size = os.path.getsize(files[1]) - self.tokens.offset
+        item = self.dtype.itemsize
+        fix = ("the .idx is not the index of this .bin (another corpus, or another dtype?); "
+               "write both again with tools/preprocess_data.py")
+        if self.layout == "mmap" and size % item:
+            raise CorpusError(f"{files[1]}: {size} bytes is not a whole number of {self.dtype} tokens, "
+                              f"the dtype {files[2]} names: {fix}")
+        if len(self.tokens) != total:
+            raise CorpusError(f"{files[1]}: holds {len(self.tokens)} tokens, the index {files[2]} "
+                              f"names {total}: {fix}")
+        expect = np.zeros(len(self.sizes), np.int64)
+        expect[1:] = np.cumsum(self.sizes[:-1])
+        if np.any(self.sizes < 0) or not np.array_equal(self.seq_start, expect):
+            bad = int(np.argmax(self.seq_start != expect)) if len(expect) else 0
+            raise CorpusError(f"{files[2]}: sequence {bad} starts at token {int(self.seq_start[bad])}, "
+                              f"after the sequences before it it must start at {int(expect[bad])}: {fix}")
 
     def _read_mmap(self, bin_path, idx_path):
         with open(idx_path, "rb") as f:
@@ -285,8 +308,10 @@ def parse_input_dir(input_dir):
             weight = float(w)
         except ValueError:
             raise CorpusError(f"input_dir {text!r}: {w!r} is not a weight (expected 'w1 prefix1 w2 prefix2')") from None
-        if weight < 0:
-            raise CorpusError(f"input_dir {text!r}: negative weight {weight}")
+        if not math.isfinite(weight) or weight <= 0:
+            raise CorpusError(f"input_dir {text!r}: the weight {w!r} of {p} must be a finite number "
+                              "above 0 (a corpus with weight 0 or NaN would be dropped without a word); "
+                              "leave out a corpus you do not want")
         out.append((weight, p))
     if sum(w for w, _ in out) <= 0:
         raise CorpusError(f"input_dir {text!r}: the weights sum to 0")

@@ -6,12 +6,14 @@
 """
 import logging
 import os
+import re
 
 import numpy as np
 import paddle
 
-from ..io import publish_into, read_json, write_json
+from ..io import CONFIG_CAP, publish_into, read_json, write_json
 from . import hf
+from .memory import check_fits
 from .spec import ModelSpec, get_spec, registered_types, spec_for_config  # noqa: F401
 from .tiny import BUILTIN as _BUILTIN
 
@@ -47,11 +49,36 @@ REAL_KEYS = ("rms_norm_eps", "layernorm_epsilon", "initializer_range", "rope_the
              "attention_dropout", "hidden_dropout")
 
 
+# upper bounds on config.json sizes, checked before anything is built from them: ids and
+# element counts must fit int32 (paddle's index type); the deepest published models have ~130
+# layers and the widest MoE ~400 experts
+INT32_MAX = 2 ** 31 - 1
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "num_hidden_layer")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_SIZE_NAME = re.compile(r"(size|layers?|heads?|experts?|dim|positions|length|channels|n_embd|"
+                        r"n_inner|group_num|_tok)$")
+
+
+def check_bounds(d, where):
+    """Refuse config.json integers out of sane bounds (file, key, value and the bound)."""
+    for key, v in d.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            continue
+        bound = (MAX_LAYERS if key in LAYER_KEYS else MAX_EXPERTS if key in EXPERT_KEYS
+                 else INT32_MAX if _SIZE_NAME.search(key) else None)
+        if bound is not None and v > bound:
+            raise ValueError(f"{where}: '{key}' is {v}, above {bound}, the most accepted "
+                             f"({'no published model comes near' if bound < INT32_MAX else 'int32 range'}): "
+                             "the file is damaged or not a model's config.json")
+
+
 def load_config(path):
     """(spec, config) from path/config.json. A missing key, or a string where a number belongs,
     is one error naming the file and the key."""
     where = os.path.join(path, "config.json")
-    d = read_json(where, "config.json")
+    d = read_json(where, "config.json", CONFIG_CAP)
     if not isinstance(d, dict):
         raise ValueError(f"{where}: must hold one JSON object")
     if "model_type" not in d:
@@ -65,6 +92,7 @@ def load_config(path):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not np.isfinite(v)):
             raise ValueError(f"{where}: '{key}' must be a finite number, got {v!r}")
+    check_bounds(d, where)
     spec = spec_for_config(d)
     try:
         return spec, spec.config_cls.from_dict(d)
@@ -226,6 +254,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
     allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md)."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
+    check_fits(path, cfg, topology, quant)   # weights per rank x local ranks vs host memory
     if getattr(cfg, "moe", None) and topology is not None and topology.pp_degree > 1:
         raise ValueError(f"{path}: a Mixture-of-Experts model ({cfg.model_type}) has no pipeline-"
                          "parallel form yet (the router's load-balancing loss spans every stage): "

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 
 import numpy as np
@@ -57,6 +58,9 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = path
+        if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO would block open(), a device never end
+            raise ValueError(f"{path} is not a regular file (a FIFO, device or directory): refusing "
+                             "to read it as a safetensors file; put the real file there")
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -78,6 +82,7 @@ class SafetensorsFile:
         self.offset = 8 + n
         for name, info in header.items():
             _check_entry(path, name, info, size - self.offset)
+        _check_disjoint(path, header)
         self._mm = None
     def keys(self):
         return list(self.header)
@@ -119,6 +124,18 @@ class SafetensorsFile:
         """Unmap the file: pages read so far stop counting toward this process's RSS (streaming
         merges read every tensor once and would otherwise keep the whole file resident)."""
         self._mm = None
+
+
+def _check_disjoint(path, header):
+    """Tensors' data ranges must not overlap (the format lays them end to end): two tensors over
+    the same bytes are a crafted or damaged header."""
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items()
+                   if info["data_offsets"][1] > info["data_offsets"][0])
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"{path}: tensors {an!r} (bytes {a0}-{a1}) and {bn!r} (bytes {b0}-{b1}) "
+                             "overlap in the safetensors header: the file is damaged or crafted; "
+                             "copy it again")
 
 
 def _check_entry(path, name, info, data_bytes):

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import paddle
 
-from .. import outdir, parallel, runtime
+from .. import outdir, parallel, runtime, stopping
 from ..data.collate import BatchPlan, pad_batch
 from ..runtime import amp_settings
 from ..models import check_finite
@@ -385,6 +385,8 @@ class Trainer:
         warmup = a.warmup_steps if a.warmup_steps > 0 else math.ceil(a.warmup_ratio * total)
         if a.resume_from_checkpoint:
             self._log_resume(self._resume(a.resume_from_checkpoint), total, source.steps_per_epoch)
+        elif self.main and self.state["global_step"] == 0:   # a fresh start: drop the records of a
+            self._rewrite_log([])                            # run killed before its first checkpoint
         self._log_start(total)
         self.reporter = reporting.Reporter.for_trainer(self)   # rank 0: report_to, the PNG at the end
         if self.main and a.save_strategy == "steps":   # will the checkpoints it keeps fit?
@@ -398,11 +400,13 @@ class Trainer:
         epoch, start = st["epoch"], st["step_in_epoch"]
         self._metric_acc = self._new_metrics()
         source = profiling.attach(self, source, total)   # as is unless a profiling key is on
+        stopping.progress(st["global_step"], a.output_dir)
         while st["global_step"] < total:
             for s, micro in source.iterate(epoch, start):
                 lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
                 loss, norm, ntgt, ntok = self.training_step(micro, lr)
                 st["global_step"] += 1
+                stopping.progress(st["global_step"], a.output_dir)   # for the stop line (SIGINT / SIGTERM)
                 self._weights_at = st["global_step"]
                 spe = source.steps_per_epoch
                 done = spe is not None and s + 1 == spe
