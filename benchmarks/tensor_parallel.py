@@ -33,7 +33,7 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.join(sys.argv[1], "t
 import paddletune
 from paddletune import parallel, runtime
 from paddletune.args import TrainingArguments
-from paddletune.models import load_model
+from paddletune.loading import load_model
 mode, ckpt, out, batch, seq, steps = sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8])
 
 def rss(field):

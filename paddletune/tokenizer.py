@@ -30,30 +30,12 @@ def _content(tok):
     return tok
 
 
-def _tokenizer_class(path):
-    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
-    one (ModelSpec.tokenizer_classes says which), else Tokenizer."""
-    conf = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(conf):
-        from .models.spec import tokenizer_class_for
-
-        cls = tokenizer_class_for(read_json(conf).get("tokenizer_class"), path)
-        if cls is not None:
-            return cls
-    return Tokenizer
-
-
 class Tokenizer:
     # Where encode(add_special_tokens=True)'s specials go: False (most): in front of the text
     # (BOS; ChatGLM2's [gMASK] sop), so a prompt starts with them; True (ChatGLM-6B): after the
     # prompt, before its answer (prompt, [gMASK], <sop>, answer): then a row holds one answer and
     # training data puts them between prompt and answer (data/sft.py, data/chat_template.py)
     specials_after_prompt = False
-
-    def __new__(cls, path, *args, **kwargs):
-        if cls is Tokenizer:
-            cls = _tokenizer_class(path)
-        return super().__new__(cls)
 
     def __init__(self, path):
         self.path = path
@@ -343,9 +325,3 @@ class Tokenizer:
     def __repr__(self):
         return (f"Tokenizer({self.path!r}, backend={self.backend}, vocab={len(self)}, "
                 f"bos={self.bos_token!r}, eos={self.eos_token!r}, pad={self.pad_token!r})")
-
-
-def load_tokenizer(name_or_path):
-    from .models import resolve_model_path
-
-    return Tokenizer(resolve_model_path(name_or_path, key="tokenizer path"))

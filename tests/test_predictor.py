@@ -165,7 +165,7 @@ def test_chat_without_a_checkpoint_template(tmp_path):
     (["--lora_path", "/nonexistent"], "lora_path"),
 ])
 def test_bad_input_fails_before_loading_the_model(ckpt, monkeypatch, capsys, args, msg):
-    import paddletune.generation as gen
+    import paddletune.loading as gen
 
     monkeypatch.setattr(gen, "load_for_generation", lambda *a, **k: pytest.fail("model was loaded"))
     rc, _ = run(["--model_name_or_path", ckpt[0]] + args)

@@ -55,7 +55,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     from conftest import training_args
     from paddletune import parallel, peft, runtime
     from paddletune.args import ModelArgument, QuantArgument
-    from paddletune.models import hf, load_model
+    from paddletune.models import hf
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer
 
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
@@ -195,7 +196,7 @@ def load_memory(ckpt, tp=2):
     memory a previous case freed would be reused and hide part of the growth."""
     from conftest import training_args
     from paddletune import parallel
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     topo = parallel.init(training_args("/tmp/unused", tensor_parallel_degree=tp)) if tp > 1 else parallel.single()
     with open("/proc/self/clear_refs", "w") as f:

@@ -80,7 +80,7 @@ def owned(model, stage, num_stages):
 
 def prune_to_stage(model, stage, num_stages):
     """Replace what this stage does not hold by Absent modules (their parameters were never
-    loaded: models.load_model reads only the stage's). Done after PEFT wrapped the layers, so
+    loaded: loading.load_model reads only the stage's). Done after PEFT wrapped the layers, so
     adapters are drawn as in one process and then dropped with the blocks they belong to. Names of
     what stays are unchanged (full-model names in checkpoints and exports)."""
     from ..peft.common import replace_module
