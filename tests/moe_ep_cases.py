@@ -89,7 +89,7 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
                       trainable=setup.trainable, export_fn=export, topology=topo,
                       callbacks=[step_done])
     if not global_router:   # negative control: each rank's aux over its own tokens only
-        model.expert_parallel = trainer.ep = None
+        model.expert_parallel = trainer.par.ep = None
     trainer.train()
     metrics = trainer.evaluate()
     hist = trainer.state["log_history"]

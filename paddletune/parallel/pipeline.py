@@ -122,21 +122,13 @@ class Pipeline:
     def _tied_group(self):
         """The {first stage, last stage} group of this (dp, tp) coordinate: the tied embedding's
         two copies get their gradients summed there. Every rank creates every such group."""
-        from .cpu_compat import new_group
+        from .topology import create_groups, group_ranks
 
-        from .topology import group_ranks
-
-        seen, mine = [], None
-        for r in range(self.topo.world_size):
+        def pair(r):
             ranks = group_ranks(r, self.topo.degrees, "pp")
-            pair = [ranks[0], ranks[-1]]
-            if pair in seen:
-                continue
-            seen.append(pair)
-            g = new_group(pair, self.topo.world_size)
-            if self.topo.rank in pair:
-                mine = g
-        return mine
+            return [[ranks[0], ranks[-1]]]
+
+        return create_groups(self.topo.rank, self.topo.world_size, pair)
 
     # ------------------------------------------------------------------ point to point
     def _log(self, *event):

@@ -85,22 +85,13 @@ class TensorParallel:
             if c == self.degree:
                 self._replica_groups[c] = self.group
             else:
-                from .cpu_compat import new_group
+                from .topology import create_groups, group_ranks
 
-                from .topology import group_ranks
-
-                seen, mine = [], None
-                for r in range(self.topo.world_size):
+                def chunks(r):   # rank r's tensor-parallel group cut into runs of c
                     tp_ranks = group_ranks(r, self.topo.degrees, "tp")
-                    for i in range(0, len(tp_ranks), c):
-                        chunk = tp_ranks[i:i + c]
-                        if chunk in seen:
-                            continue
-                        seen.append(chunk)
-                        g = new_group(chunk, self.topo.world_size)
-                        if self.topo.rank in chunk:
-                            mine = g
-                self._replica_groups[c] = mine
+                    return [tp_ranks[i:i + c] for i in range(0, len(tp_ranks), c)]
+
+                self._replica_groups[c] = create_groups(self.topo.rank, self.topo.world_size, chunks)
         return self._replica_groups[c]
 
     def all_reduce(self, t, op="sum"):
