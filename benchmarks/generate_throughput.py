@@ -59,7 +59,7 @@ def best_time(fn, repeats):
 def main():
     a = parse()
     from paddletune.generation import generate
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     tmp = None
     path = a.model_name_or_path

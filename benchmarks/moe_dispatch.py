@@ -35,7 +35,7 @@ import numpy as np
 import paddletune
 from paddletune import parallel, runtime
 from paddletune.args import TrainingArguments
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.models.moe import SparseMoeBlock
 from paddletune.trainer import Trainer
 mode, ckpt, out = sys.argv[2:5]

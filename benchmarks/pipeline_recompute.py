@@ -30,7 +30,7 @@ import numpy as np
 import paddletune
 from paddletune import parallel
 from paddletune.args import TrainingArguments
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.trainer import Trainer
 ckpt, out, seq, accum, steps = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 args = TrainingArguments(output_dir=out, pipeline_parallel_degree=2, per_device_train_batch_size=1,

@@ -58,7 +58,7 @@ def worker(a):
     import paddle
     from paddletune import peft
     from paddletune.args import ModelArgument, TrainingArguments
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.quant import QuantConfig, quant_report
     from paddletune.trainer import Trainer
     from paddletune.data.collate import pad_batch

@@ -43,7 +43,7 @@ args = TrainingArguments(output_dir=out, sharding="" if mode == "dp" else mode, 
                          max_steps=steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
                          learning_rate=1e-5, max_grad_norm=1.0)
 topo = parallel.init(args)
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.trainer import Trainer
 before = field("VmRSS")
 model = load_model(ckpt, topology=topo)
@@ -53,7 +53,7 @@ tr = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology
 seen = {}
 def record(t, info):
     total = sum(int(np.prod(p.shape)) for p in t.trainable.values())
-    sh = t.shard
+    sh = t.par.shard
     seen.update(total=total, optimizer=sum(int(v.size) for d in (t.optimizer.exp_avg, t.optimizer.exp_avg_sq) for v in d.values()),
                 params=sh.resident(t.trainable) if sh is not None else total,
                 grads=sh.stats.get("grad_numel", total) if sh is not None else total,

@@ -33,7 +33,7 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.join(sys.argv[1], "t
 import paddletune
 from paddletune import parallel, runtime
 from paddletune.args import TrainingArguments
-from paddletune.models import load_model
+from paddletune.loading import load_model
 mode, ckpt, out, batch, seq, steps = sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8])
 
 def rss(field):
@@ -57,11 +57,11 @@ if mode == "train":
     marks = []
     tr = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology=topo,
                  callbacks=[lambda t, info: marks.append((len(t.tp.log), time.time()))])
-    tr.tp.log = []
+    tr.par.tp.log = []
     t0 = time.time()
     tr.train()
     res["step_s"] = (marks[-1][1] - t0) / steps
-    res["comm"] = tr.tp.log[:marks[-1][0]]   # the training steps only (not the final export)
+    res["comm"] = tr.par.tp.log[:marks[-1][0]]   # the training steps only (not the final export)
 json.dump(res, open(os.path.join(out, f"{mode}-{topo.rank}.json"), "w"))
 '''
 

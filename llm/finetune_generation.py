@@ -24,10 +24,10 @@ from paddletune.data.packing import build_train_source
 from paddletune.data.sft import check_positions
 from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import (check_checkpoint, check_tokenizer, glm_export, load_config,
-                               load_model, position_limit, resolve_model_path)
+                               position_limit, resolve_model_path)
+from paddletune.loading import load_model, load_tokenizer
 from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
-from paddletune.tokenizer import load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import resume_path, verify_checkpoint
 from paddletune.trainer.metrics import generation_eval_fn

@@ -21,7 +21,6 @@ the ranks generate together (the same ids on every rank); only rank 0 prints and
 import dataclasses
 import io
 import json
-import logging
 import os
 import sys
 import time
@@ -137,22 +136,18 @@ def conversation_of(src, tgt):
 def adapter_as_model(a):
     """--model_name_or_path naming an adapter directory (a LoRA / prefix-tuning run's output_dir:
     adapter_config.json, no config.json) means its base_model_name_or_path with that adapter, as
-    if --lora_path / --prefix_path had been given."""
-    d = a.model_name_or_path
-    conf = os.path.join(d, "adapter_config.json")
-    if not os.path.isfile(conf) or os.path.isfile(os.path.join(d, "config.json")) or a.lora_path or a.prefix_path:
-        return
+    if --lora_path / --prefix_path had been given (loading.adapter_base finds the base)."""
+    from paddletune.loading import adapter_base
 
-    with open(conf) as f:
-        ac = json.load(f)
-    base, kind = ac.get("base_model_name_or_path"), str(ac.get("peft_type", "LORA")).upper()
-    key = {"LORA": "lora_path", "PREFIX_TUNING": "prefix_path"}.get(kind)
-    if not base or key is None:
-        raise ArgumentError(f"model_name_or_path={d!r} is an adapter directory ({kind}) without a usable "
-                            "base_model_name_or_path; give --model_name_or_path BASE --lora_path DIR")
-    logging.getLogger("paddletune").info("%s is a %s adapter: base %s", d, kind, base)
-    a.model_name_or_path = base
-    setattr(a, key, d)
+    if a.lora_path or a.prefix_path:
+        return
+    try:
+        found = adapter_base(a.model_name_or_path)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if found is not None:
+        setattr(a, found[1], a.model_name_or_path)
+        a.model_name_or_path = found[0]
 
 
 def check(a):
@@ -160,7 +155,7 @@ def check(a):
     from paddletune.generation import GenerationConfig
     from paddletune.models import check_checkpoint, check_tokenizer, load_config, resolve_model_path
     from paddletune.outdir import check_writable_file
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     if not a.model_name_or_path:
         raise ArgumentError("'model_name_or_path' is required (a checkpoint directory or a built-in name)")
@@ -292,7 +287,8 @@ def main(argv=None, stdin=None, stdout=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     from paddletune import parallel
-    from paddletune.generation import GenerationConfig, checkpoint_defaults, load_for_generation
+    from paddletune.generation import GenerationConfig, checkpoint_defaults
+    from paddletune.loading import load_for_generation
     from paddletune.trainer.metrics import write_json_lines
 
     if a.device == "cpu":

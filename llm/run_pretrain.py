@@ -26,11 +26,11 @@ from paddletune import cli, outdir, parallel, runtime
 from paddletune.args import ArgumentError
 from paddletune.data import DataError
 from paddletune.data.pretrain import CorpusError, build_pretrain_datasets, pretrain_collate
-from paddletune.models import build_model, check_checkpoint, check_tokenizer, load_config, load_model, resolve_model_path
+from paddletune.models import build_model, check_checkpoint, check_tokenizer, load_config, resolve_model_path
 from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
 from paddletune.pretrain_args import parse_args
-from paddletune.tokenizer import load_tokenizer
+from paddletune.loading import load_model, load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import resume_path, verify_checkpoint
 

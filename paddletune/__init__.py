@@ -30,13 +30,13 @@ __version__ = "0.1.0"
 
 
 def load_model(*args, **kwargs):
-    from .models import load_model as _load
+    from .loading import load_model as _load
 
     return _load(*args, **kwargs)
 
 
 def load_tokenizer(*args, **kwargs):
-    from .tokenizer import load_tokenizer as _load
+    from .loading import load_tokenizer as _load
 
     return _load(*args, **kwargs)
 

@@ -165,7 +165,7 @@ def choose_tokens(logits, cfg, seen=None, u=None, tp=None, vocab_size=None):
     if tp is not None:
         from .parallel import sampling
 
-        return sampling.choose_tokens(logits, cfg, seen, u, tp, vocab_size)
+        return sampling.choose_tokens(logits, cfg, seen, u, tp, vocab_size, penalize_repetition)
     if cfg.repetition_penalty != 1.0 and seen is not None:
         logits = penalize_repetition(logits, seen, cfg.repetition_penalty)
     if cfg.decode_strategy == "greedy_search":
@@ -418,42 +418,3 @@ def checkpoint_defaults(path, tokenizer):
         if i is not None and i not in eos:
             eos.append(i)
     return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
-
-
-def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True,
-                        topology=None, dtype="float32"):
-    """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /
-    built-in name or an already built model. A LoRA adapter (HF-PEFT files) is loaded on top
-    and, with merge_lora, folded into the weights (W += s A B: faster, same outputs); prefixes
-    (prefix tuning) are loaded as the model's prefix encoder and fill every KV cache.
-    `topology` (parallel.Topology) with a tensor-parallel degree > 1 loads this rank's slices;
-    adapters are then sliced too and LoRA stays unmerged (merging works on whole weights).
-    `dtype`: the parameters' dtype when loading from a directory (models.load_model)."""
-    from .models import load_model, resolve_model_path
-    from .tokenizer import load_tokenizer
-
-    path = None
-    if isinstance(model, str):
-        path = resolve_model_path(model)
-        model = load_model(path, topology=topology, dtype=dtype)
-    else:
-        path = getattr(model, "name_or_path", None)
-    if tokenizer is None or isinstance(tokenizer, str):
-        if tokenizer is None and path is None:
-            raise ValueError("pass tokenizer= (a Tokenizer or its directory) with an in-memory model")
-        tokenizer = load_tokenizer(tokenizer or path)
-    if lora_path or prefix_path:
-        from . import peft
-
-        peft.load_adapter(model, lora_path=lora_path, prefix_path=prefix_path)
-        tp = getattr(model, "tensor_parallel", None)
-        if tp is not None:   # the adapters' slices, LoRA's collectives, the local prefix heads
-            from .parallel import tensor as tensor_parallel
-
-            tensor_parallel.finalize(model, tp)
-        layers = peft.lora.lora_layers(model)
-        plain = layers and all(isinstance(m.base_layer, paddle.nn.Linear) for m in layers.values())
-        if merge_lora and tp is None and plain:
-            peft.lora.merge(model)   # (a quantized backbone keeps its adapters unmerged)
-    model.eval()
-    return model, tokenizer, path

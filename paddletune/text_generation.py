@@ -5,7 +5,8 @@ on top of generation.generate.
     pipe("Hello")                                      # [{"generated_text": "Hello ..."}]
     pipe([{"role": "user", "content": "Hi"}])          # chat template, answer appended as a message
 """
-from .generation import GenerationConfig, checkpoint_defaults, generate, load_for_generation
+from .generation import GenerationConfig, checkpoint_defaults, generate
+from .loading import load_for_generation
 
 
 def _split_messages(conversation):

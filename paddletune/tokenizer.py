@@ -30,20 +30,6 @@ def _content(tok):
     return tok
 
 
-def _tokenizer_class(path):
-    """Tokenizer subclass named by tokenizer_config.json's tokenizer_class where a family needs
-    one (ModelSpec.tokenizer_classes says which), else Tokenizer."""
-    conf = os.path.join(path, "tokenizer_config.json")
-    if os.path.lexists(conf):
-        from .models.spec import tokenizer_class_for
-
-        d = read_json(conf, "tokenizer_config.json", CONFIG_CAP)
-        cls = tokenizer_class_for(d.get("tokenizer_class") if isinstance(d, dict) else None, path)
-        if cls is not None:
-            return cls
-    return Tokenizer
-
-
 MAX_VOCAB = 1 << 24   # tokens in one vocabulary (the largest published: ~256k); ids fit int32
 
 
@@ -74,11 +60,6 @@ class Tokenizer:
     # prompt, before its answer (prompt, [gMASK], <sop>, answer): then a row holds one answer and
     # training data puts them between prompt and answer (data/sft.py, data/chat_template.py)
     specials_after_prompt = False
-
-    def __new__(cls, path, *args, **kwargs):
-        if cls is Tokenizer:
-            cls = _tokenizer_class(path)
-        return super().__new__(cls)
 
     def __init__(self, path):
         self.path = path
@@ -382,9 +363,3 @@ class Tokenizer:
     def __repr__(self):
         return (f"Tokenizer({self.path!r}, backend={self.backend}, vocab={len(self)}, "
                 f"bos={self.bos_token!r}, eos={self.eos_token!r}, pad={self.pad_token!r})")
-
-
-def load_tokenizer(name_or_path):
-    from .models import resolve_model_path
-
-    return Tokenizer(resolve_model_path(name_or_path, key="tokenizer path"))

@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import paddletune  # noqa: E402,F401
 from paddletune import parallel, runtime  # noqa: E402
-from paddletune.models import hf, load_model  # noqa: E402
+from paddletune.models import hf  # noqa: E402
+from paddletune.loading import load_model
 from paddletune.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ def held_slices(ckpt, names):
     reads, if any."""
     from conftest import training_args
     from paddletune import parallel
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     topo = parallel.init(training_args("/tmp/unused", tensor_parallel_degree=2))
     model = load_model(ckpt, topology=topo)

@@ -55,7 +55,7 @@ class _CacheShapes:
 def _load(ckpt, tp, prefix_tokens):
     from paddletune import peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.parallel import tensor as tensor_parallel
 
     model = load_model(ckpt, topology=_topology(tp))

@@ -47,7 +47,8 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
     from conftest import training_args
     from paddletune import parallel, peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import hf, load_model
+    from paddletune.models import hf
+    from paddletune.loading import load_model
     from paddletune.quant import QuantConfig
     from paddletune.trainer import Trainer
 
@@ -88,7 +89,7 @@ def train_case(ckpt, out_dir, ep=1, micro=4, accum=1, steps=3, lora=False, save_
                       trainable=setup.trainable, export_fn=export, topology=topo,
                       callbacks=[step_done])
     if not global_router:   # negative control: each rank's aux over its own tokens only
-        model.expert_parallel = trainer.ep = None
+        model.expert_parallel = trainer.par.ep = None
     trainer.train()
     metrics = trainer.evaluate()
     hist = trainer.state["log_history"]
@@ -132,7 +133,7 @@ def quant_full_export_case(ckpt, out_dir):
     every rank must refuse before its first step."""
     from conftest import training_args
     from paddletune import parallel
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.quant import QuantConfig
     from paddletune.trainer import Trainer
 
@@ -154,7 +155,7 @@ def uneven_case(ckpt, out_dir):
     none. Every rank must raise the same clear error (no rank left in a collective)."""
     from conftest import training_args
     from paddletune import parallel
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer
 
     args = training_args(out_dir, per_device_train_batch_size=4, max_steps=2, logging_steps=1,

@@ -21,7 +21,8 @@ from safetensors.numpy import save_file
 
 from conftest import copy_pairs, rel_err, token_accuracy, training_args
 
-from paddletune.models import build_model, get_spec, load_model, save_pretrained
+from paddletune.models import build_model, get_spec, save_pretrained
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 from paddletune.models.chatglm2 import ChatGLM2Config
 from paddletune.models.hf import SafetensorsFile

@@ -43,8 +43,8 @@ def test_sft_argument_file_runs(tmp_path):
     assert "has no effect with one sharding rank" in res.stdout + res.stderr
     saved = json.load(open(os.path.join(out, "config.json")))
     assert saved["model_type"] == "chatglm" and os.path.exists(os.path.join(out, "tokenizer.model"))
-    from paddletune.tokenizer import Tokenizer   # the ChatGLM2 prompt format travels with the model
-    tok = Tokenizer(out)
+    from paddletune.loading import load_tokenizer   # the ChatGLM2 prompt format travels with the model
+    tok = load_tokenizer(out)
     assert type(tok).__name__ == "ChatGLMTokenizer"
     assert tok.apply_chat_template("hi", add_generation_prompt=True, tokenize=False) == "[Round 1]\n\n问：hi\n\n答："
     logs = [json.loads(l) for l in open(os.path.join(out, "train_log.jsonl"))]

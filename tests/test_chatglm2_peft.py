@@ -18,7 +18,8 @@ from test_chatglm2 import VOCAB, glm_checkpoint
 
 from paddletune import peft
 from paddletune.args import ModelArgument
-from paddletune.models import build_model, get_spec, load_model
+from paddletune.models import build_model, get_spec
+from paddletune.loading import load_model
 from paddletune.peft import lora
 from paddletune.trainer import Trainer
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from paddletune.models.chatglm_tokenizer import ROLES, SPECIALS, tokenizer_config
-from paddletune.tokenizer import Tokenizer, load_tokenizer
+from paddletune.loading import load_tokenizer
 
 PIECES = [  # (piece, type) with type 1 normal, 2 unknown, 3 control
     ("<unk>", 2), ("<s>", 3), ("</s>", 3),                      # 0 1 2
@@ -51,12 +51,12 @@ def write_tokenizer(path, chatglm3=False, declare=True):
 
 @pytest.fixture
 def glm2(tmp_path):
-    return Tokenizer(write_tokenizer(tmp_path / "glm2"))
+    return load_tokenizer(write_tokenizer(tmp_path / "glm2"))
 
 
 @pytest.fixture
 def glm3(tmp_path):
-    return Tokenizer(write_tokenizer(tmp_path / "glm3", chatglm3=True))
+    return load_tokenizer(write_tokenizer(tmp_path / "glm3", chatglm3=True))
 
 
 def test_special_ids_follow_the_sentencepiece_vocabulary(glm2, glm3):
@@ -106,13 +106,13 @@ def test_chatglm3_recognised_from_remote_code(tmp_path):
     """Older ChatGLM3 revisions declare nothing in tokenizer_config.json; their
     tokenization_chatglm.py lists the role tokens."""
     path = write_tokenizer(tmp_path / "old3", chatglm3=True, declare=False)
-    assert Tokenizer(path).version == 2
+    assert load_tokenizer(path).version == 2
     with open(os.path.join(path, "tokenization_chatglm.py"), "w") as f:
         f.write('role_special_tokens = ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]\n')
-    tok = Tokenizer(path)
+    tok = load_tokenizer(path)
     assert tok.version == 3 and tok.encode("<|user|>", add_special_tokens=False) == [USER]
     tok.save_pretrained(str(tmp_path / "saved"))
-    assert Tokenizer(str(tmp_path / "saved")).version == 3
+    assert load_tokenizer(str(tmp_path / "saved")).version == 3
 
 
 def test_wrong_declared_id_is_refused(tmp_path):
@@ -121,7 +121,7 @@ def test_wrong_declared_id_is_refused(tmp_path):
     conf["added_tokens_decoder"]["99"] = conf["added_tokens_decoder"].pop(str(USER))
     json.dump(conf, open(os.path.join(path, "tokenizer_config.json"), "w"))
     with pytest.raises(ValueError, match=r"<\|user\|> id 99.*at 30"):
-        Tokenizer(path)
+        load_tokenizer(path)
 
 
 def test_builtin_tiny_chatglm2_tokenizer_and_sample_sft():

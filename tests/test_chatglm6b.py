@@ -9,7 +9,8 @@ import paddle
 import pytest
 
 from conftest import rel_err
-from paddletune.models import build_model, get_spec, load_model, save_pretrained
+from paddletune.models import build_model, get_spec, save_pretrained
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 from paddletune.models.chatglm import glm_layout, glm_mask, glm_positions
 

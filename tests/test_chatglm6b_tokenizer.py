@@ -34,9 +34,9 @@ def blank(n):
 
 @pytest.fixture(scope="module")
 def tok():
-    from paddletune.tokenizer import Tokenizer
+    from paddletune.loading import load_tokenizer
 
-    return Tokenizer(TOK_DIR)
+    return load_tokenizer(TOK_DIR)
 
 
 def piece(t, name):
@@ -93,20 +93,20 @@ def test_shipped_model_regenerates(tmp_path):
 
 
 def test_selection_and_config_check(tmp_path, tok):
-    from paddletune.tokenizer import Tokenizer
+    from paddletune.loading import load_tokenizer
 
     # the same tokenizer_class: ChatGLM2's directory (tokenizer.model) keeps its own class
-    assert type(Tokenizer(os.path.join(ASSETS, "tiny-chatglm-tokenizer"))).__name__ == "ChatGLMTokenizer"
+    assert type(load_tokenizer(os.path.join(ASSETS, "tiny-chatglm-tokenizer"))).__name__ == "ChatGLMTokenizer"
     d = tmp_path / "t"
     shutil.copytree(TOK_DIR, d)
     conf = {"model_type": "chatglm", "position_encoding_2d": True, "bos_token_id": 150004,
             "eos_token_id": EOP, "mask_token_id": MASK, "gmask_token_id": GMASK}
     json.dump(conf, open(d / "config.json", "w"))
     with pytest.raises(ValueError, match="num_image_tokens"):
-        Tokenizer(str(d))
+        load_tokenizer(str(d))
     tok.save_pretrained(str(tmp_path / "saved"))
     assert sorted(os.listdir(tmp_path / "saved")) == ["ice_text.model", "tokenizer_config.json"]
-    assert Tokenizer(str(tmp_path / "saved")).encode("a\tb") == tok.encode("a\tb")
+    assert load_tokenizer(str(tmp_path / "saved")).encode("a\tb") == tok.encode("a\tb")
 
 
 def data_args(**kw):
@@ -170,15 +170,16 @@ def tiny_dir():
 
 
 def test_builtin_export_round_trip(tmp_path, tiny_dir):
-    from paddletune.models import load_model, save_pretrained
-    from paddletune.tokenizer import Tokenizer
+    from paddletune.models import save_pretrained
+    from paddletune.loading import load_model
+    from paddletune.loading import load_tokenizer
 
     conf = json.load(open(os.path.join(tiny_dir, "config.json")))
     assert conf["model_type"] == "chatglm" and conf["position_encoding_2d"] is True
     assert (conf["bos_token_id"], conf["eos_token_id"], conf["mask_token_id"], conf["gmask_token_id"],
             conf["pad_token_id"], conf["vocab_size"]) == (SOP, EOP, MASK, GMASK, PAD, 1108)
     model = load_model(tiny_dir)
-    tok = Tokenizer(tiny_dir)   # its config.json agrees with the tokenizer's ids (checked at load)
+    tok = load_tokenizer(tiny_dir)   # its config.json agrees with the tokenizer's ids (checked at load)
     save_pretrained(model, str(tmp_path / "out"), tokenizer=tok)
     back = load_model(str(tmp_path / "out"))
     assert type(back).__name__ == "ChatGLMForConditionalGeneration"
@@ -186,18 +187,18 @@ def test_builtin_export_round_trip(tmp_path, tiny_dir):
     model.eval()
     back.eval()
     np.testing.assert_array_equal(back(ids).logits.numpy(), model(ids).logits.numpy())
-    assert type(Tokenizer(str(tmp_path / "out"))).__name__ == "ChatGLM6BTokenizer"
+    assert type(load_tokenizer(str(tmp_path / "out"))).__name__ == "ChatGLM6BTokenizer"
 
 
 def test_generation_cache_equals_full_forward_argmax(tiny_dir):
     from paddletune.generation import generate
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     model = load_model(tiny_dir)
     model.eval()
-    from paddletune.tokenizer import Tokenizer
+    from paddletune.loading import load_tokenizer
 
-    tok = Tokenizer(tiny_dir)
+    tok = load_tokenizer(tiny_dir)
     prompts = [tok.encode("a\nb"), tok.encode("hello there, friend\tx")]   # lengths differ: left pads
     out = generate(model, prompts, max_new_tokens=6, eos_token_id=[-1])
     for p, seq in zip(prompts, out.sequences):   # reference: argmax of the full forward, no cache
@@ -225,9 +226,10 @@ def test_lora_learns_copy_pairs_and_adapter_loads_back(tmp_path):
     from paddletune import peft
     from paddletune.args import ModelArgument
     from paddletune.data.sft import ExampleBuilder
-    from paddletune.generation import generate, load_for_generation
-    from paddletune.models import load_model
-    from paddletune.tokenizer import Tokenizer
+    from paddletune.generation import generate
+    from paddletune.loading import load_for_generation
+    from paddletune.loading import load_model
+    from paddletune.loading import load_tokenizer
     from paddletune.trainer import Trainer
 
     from paddletune.models.tiny import make_tiny_checkpoint
@@ -236,7 +238,7 @@ def test_lora_learns_copy_pairs_and_adapter_loads_back(tmp_path):
     # N(0, 0.02) a LoRA on a random base does not leave the unigram plateau in a test's steps)
     base = make_tiny_checkpoint(str(tmp_path / "base"), "chatglm6b", seed=0, tokenizer_dir=TOK_DIR,
                                 initializer_range=0.1)
-    tok = Tokenizer(base)
+    tok = load_tokenizer(base)
     build = ExampleBuilder(tok, data_args(chat_template="none"))
     data = [dict(build(r, f"row {i}"), id=i) for i, r in enumerate(copy_rows())]
     model = load_model(base)
@@ -273,11 +275,11 @@ def test_argument_files_run_two_steps(tmp_path, name):
     assert len(losses) == 2 and np.isfinite(losses).all()
     assert os.path.exists(os.path.join(out, "ice_text.model"))
     if name == "sft":   # the full model: loads back, the chat template travels with it
-        from paddletune.models import load_model
-        from paddletune.tokenizer import Tokenizer
+        from paddletune.loading import load_model
+        from paddletune.loading import load_tokenizer
 
         assert type(load_model(out)).__name__ == "ChatGLMForConditionalGeneration"
-        assert Tokenizer(out).apply_chat_template("hi", add_generation_prompt=True, tokenize=False) \
+        assert load_tokenizer(out).apply_chat_template("hi", add_generation_prompt=True, tokenize=False) \
             == "[Round 0]\n问：hi\n答："
     else:
         adapter = json.load(open(os.path.join(out, "adapter_config.json")))

@@ -19,7 +19,7 @@ def test_shipped_sft_file_trains_and_transformers_loads_result(tmp_path):
     import paddle
     import torch
     import transformers
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     out = tmp_path / "out"
     r = run_script([SCRIPT, SFT, "--output_dir", str(out)] + QUICK)

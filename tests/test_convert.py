@@ -12,7 +12,8 @@ import torch
 from conftest import load_script, rel_err, run_script
 from test_chatglm2 import VOCAB, glm_checkpoint
 
-from paddletune.models import build_model, get_spec, hf, load_model
+from paddletune.models import build_model, get_spec, hf
+from paddletune.loading import load_model
 from paddletune.models.hf import SafetensorsFile
 
 convert = load_script("tools/convert_checkpoint.py")

@@ -16,7 +16,7 @@ DPO, KTO = "llm/alignment/dpo/run_dpo.py", "llm/alignment/kto/run_kto.py"
 
 
 def tok():
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     return load_tokenizer(TINY_TOKENIZER)
 
@@ -284,7 +284,7 @@ def test_dpo_learns_to_prefer_the_sorted_answer_on_held_out_pairs(tmp_path):
     from paddletune.alignment.args import DPOConfig
     from paddletune.alignment.data import padded_collate
     from paddletune.alignment.loss import DPOLoss, FrozenReference, sequence_logps
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer
 
     path, _ = hf_checkpoint(tmp_path / "ck", vocab_size=64, hidden_size=64, intermediate_size=128, tokenizer_dir=None)
@@ -392,7 +392,7 @@ def _adapter_loads_in_peft_with_our_logits(out):
     import torch
     from peft import AutoPeftModelForCausalLM
 
-    from paddletune.generation import load_for_generation
+    from paddletune.loading import load_for_generation
 
     old = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -145,7 +145,7 @@ def test_dpo_losses_equal_trl_dpotrainer(ckpt, trl_env, case):
     import copy
 
     from paddletune.alignment.loss import DPOLoss, FrozenReference
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     theirs_cfg, ours_cfg = CASES[case]
     policy = copy.deepcopy(ckpt.pol_t)
@@ -173,7 +173,7 @@ def test_dpo_lora_reference_is_the_adapter_free_base_as_in_trl(ckpt, trl_env):
     from paddletune import peft
     from paddletune.alignment.loss import AdapterOffReference, DPOLoss
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     import torch
 
@@ -257,7 +257,7 @@ def test_dpo_losses_outside_trl_dpotrainer_equal_their_formulas(ckpt, name):
     import copy
 
     from paddletune.alignment.loss import DPOLoss, FrozenReference
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     cfg = dpo_cfg(**FORMULAS[name])
     pol = copy.deepcopy(ckpt.pol_t).train()
@@ -279,7 +279,7 @@ def test_kto_equals_trl_ktotrainer(ckpt, trl_env):
 
     from paddletune.alignment.args import KTOConfig as OurKTO
     from paddletune.alignment.loss import FrozenReference, KTOLoss
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     args = KTOConfig(output_dir=str(ckpt.dir / "trl_kto"), report_to="none", use_cpu=True, bf16=False,
                      per_device_train_batch_size=2, beta=0.3, desirable_weight=1.5, undesirable_weight=0.7)

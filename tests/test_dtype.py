@@ -8,7 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
-from paddletune.models import build_model, get_spec, hf, load_model, save_pretrained
+from paddletune.loading import load_model
+from paddletune.models import build_model, get_spec, hf, save_pretrained
 from paddletune.models.tiny import make_tiny_checkpoint
 
 

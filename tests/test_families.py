@@ -8,7 +8,8 @@ import torch
 
 from conftest import rel_err
 from family_util import hf_family
-from paddletune.models import load_model, save_pretrained
+from paddletune.models import save_pretrained
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 
 CASES = {   # name -> (kind, config overrides)

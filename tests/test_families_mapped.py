@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from conftest import TINY_TOKENIZER, hf_checkpoint, rel_err
-from paddletune.models import hf, load_model
+from paddletune.models import hf
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 
 H, N, L, I = 64, 4, 2, 96

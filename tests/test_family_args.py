@@ -36,7 +36,8 @@ def run(folder, name, out):
 @pytest.mark.parametrize("folder", list(FAMILIES))
 def test_lora_file_runs_and_torch_peft_loads_the_adapter(tmp_path, folder):
     from paddletune import peft
-    from paddletune.models import load_model, resolve_model_path
+    from paddletune.models import resolve_model_path
+    from paddletune.loading import load_model
 
     builtin, targets, in_transformers = FAMILIES[folder]
     conf = json.load(open(os.path.join(ROOT, "llm", folder, "lora_argument.json")))
@@ -66,7 +67,8 @@ def test_lora_file_runs_and_torch_peft_loads_the_adapter(tmp_path, folder):
 def test_sft_file_runs(tmp_path, folder):
     """Full fine-tuning: the export has the family's architecture and loads back (in our loader;
     in transformers too where it has the family) with the trained model's logits."""
-    from paddletune.models import get_spec, load_model
+    from paddletune.models import get_spec
+    from paddletune.loading import load_model
 
     out = str(tmp_path / "out")
     run(folder, "sft", out)

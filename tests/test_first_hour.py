@@ -19,8 +19,9 @@ from conftest import ROOT, load_script, rel_err, run_script
 
 import paddletune
 from paddletune.args import DataArgument
-from paddletune.models import load_model, resolve_model_path
-from paddletune.tokenizer import load_tokenizer
+from paddletune.models import resolve_model_path
+from paddletune.loading import load_model
+from paddletune.loading import load_tokenizer
 
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 SAMPLE = os.path.join(ROOT, "paddletune", "assets", "sample-sft")
@@ -130,7 +131,7 @@ def test_adapter_on_builtin_base_loads_offline_with_auto_peft(tmp_path):
     ids = [[1, 5, 9, 13, 21, 34]]
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.numpy()
-    from paddletune.generation import load_for_generation
+    from paddletune.loading import load_for_generation
 
     ours, _, _ = load_for_generation("paddletune/tiny-llama", lora_path=out)
     assert rel_err(ours(paddle.to_tensor(ids)).logits.numpy(), ref) < 1e-4
@@ -171,7 +172,7 @@ def test_chatglm2_exports_load_in_transformers_glm(tmp_path):
                               learning_rate=0.05, save_strategy="no", evaluation_strategy="no",
                               load_best_model_at_end=False)
     assert code == 0
-    from paddletune.generation import load_for_generation
+    from paddletune.loading import load_for_generation
 
     ours, _, _ = load_for_generation(base, lora_path=lora_out)
     want = ours(paddle.to_tensor(ids)).logits.numpy()

@@ -10,7 +10,7 @@ import torch
 from conftest import TINY_TOKENIZER, hf_checkpoint, rel_err
 
 from paddletune.generation import GenerationConfig, generate
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.tokenizer import Tokenizer
 
 TEXTS = ["Reverse the words: apple river stone", "Sort the numbers: 5 3 9 1",

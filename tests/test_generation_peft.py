@@ -10,7 +10,8 @@ from conftest import hf_checkpoint, load_script, rel_err, write_jsonl
 
 import paddletune
 from paddletune import peft
-from paddletune.generation import generate, load_for_generation
+from paddletune.generation import generate
+from paddletune.loading import load_for_generation
 
 PROMPTS = [[1, 5, 9, 33, 44], [1, 7, 8], [1, 100, 200, 300, 400, 500, 9]]
 N = 16

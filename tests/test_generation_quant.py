@@ -8,7 +8,7 @@ import torch
 
 from conftest import hf_checkpoint
 from paddletune.generation import generate
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.quant import QuantConfig
 from test_quant import brute_force, reference_axis
 

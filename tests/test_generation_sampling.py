@@ -8,7 +8,7 @@ from conftest import hf_checkpoint
 
 from paddletune.generation import (filter_top_k_top_p, generate, penalize_repetition,
                                    sample_from)
-from paddletune.models import load_model
+from paddletune.loading import load_model
 
 
 def _hf_processed(logits, **kw):

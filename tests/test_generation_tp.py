@@ -107,7 +107,7 @@ def _adapters(ckpt, base):
     would change nothing), and 3 random prefix tokens."""
     from paddletune import peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     runtime.set_seed(0)
     model = load_model(ckpt)
@@ -239,7 +239,7 @@ def test_predictor_launched_with_tp2_writes_the_one_process_file(runs):
 
 def test_predictor_alone_with_tp_degree_names_the_launch_command(tmp_path, monkeypatch, capsys):
     from conftest import load_script
-    import paddletune.generation as gen
+    import paddletune.loading as gen
 
     path, _ = hf_checkpoint(tmp_path / "ck", seed=1)
     monkeypatch.setattr(gen, "load_for_generation", lambda *a, **k: pytest.fail("model was loaded"))

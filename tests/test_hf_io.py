@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import hf_checkpoint, rel_err
-from paddletune.models import hf, load_model
+from paddletune.models import hf
+from paddletune.loading import load_model
 
 
 def test_transformers4_config_form(tmp_path):

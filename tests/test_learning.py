@@ -1,6 +1,6 @@
 """Learning on a task with a checkable answer: 16 random-token copy pairs."""
 from conftest import copy_pairs, hf_checkpoint, token_accuracy, training_args
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.trainer import Trainer
 
 

@@ -151,7 +151,8 @@ def test_first_step_gradients_equal_per_tensor(runs):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from dp_worker import variable_length_data
     from paddletune.data.collate import pad_batch
-    from paddletune.models import get_spec, load_model
+    from paddletune.models import get_spec
+    from paddletune.loading import load_model
     from paddletune.models.hf import to_paddle_layout
 
     data = variable_length_data()

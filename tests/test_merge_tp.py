@@ -177,8 +177,9 @@ def test_full_merge_of_sliced_checkpoint_is_the_runs_export(bases, tmp_path, kin
     """Full fine-tuning with the norms frozen: the checkpoint (TP slices: fused parts, vocabulary
     601 padded to 604 at TP 4, tied embeddings) holds the trained tensors, the norms come from the
     base; the merged directory is byte-identical to save_pretrained of the same model."""
-    from paddletune.models import load_model, save_pretrained
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.models import save_pretrained
+    from paddletune.loading import load_model
+    from paddletune.loading import load_tokenizer
 
     base = bases[kind]
     model = load_model(base)
@@ -208,8 +209,8 @@ def test_peft_merge_of_sliced_checkpoint_is_the_runs_export(bases, tmp_path, met
     export_fn writes from the same values (HF-PEFT for prefix / LoRA, the own format else)."""
     from paddletune import peft
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_model
+    from paddletune.loading import load_tokenizer
 
     kind, kw = PEFT[method]
     base = bases[kind]
@@ -234,7 +235,7 @@ def test_full_merge_streams_one_tensor_at_a_time(tmp_path):
     is 1 MB of a 21 MB model (save_pretrained would hold a whole 5 GB shard)."""
     import tracemalloc
 
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.models.tiny import make_tiny_checkpoint
 
     base = make_tiny_checkpoint(str(tmp_path / "base"), "llama", seed=0, hidden_size=128,
@@ -388,7 +389,7 @@ def _logits_hf(path, ids):
 
 def test_tp2_sft_checkpoint_merges_into_a_model_transformers_loads(runs, tmp_path):
     import paddle
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.trainer.checkpoint import CheckpointReader
 
     d = runs["dir"]
@@ -442,7 +443,8 @@ def test_tp2_lora_checkpoint_merges_into_the_hf_peft_adapter(runs, tmp_path):
 
     from paddletune import peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import hf, load_model
+    from paddletune.models import hf
+    from paddletune.loading import load_model
 
     d, base = runs["dir"], runs["llama"]
     for run in ("tp", "one"):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import hf_checkpoint, lm_loss, rel_err
-from paddletune.models import build_model, load_model, save_pretrained
+from paddletune.models import build_model, save_pretrained
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 
 CASES = {

@@ -14,7 +14,8 @@ import torch
 
 from conftest import ROOT, lm_loss, rel_err
 from family_util import hf_family
-from paddletune.models import load_model, save_pretrained
+from paddletune.models import save_pretrained
+from paddletune.loading import load_model
 
 CASES = {   # name -> (kind, config overrides)
     "mixtral": ("mixtral", {}),

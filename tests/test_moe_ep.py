@@ -256,7 +256,7 @@ def test_unequal_micro_batch_counts_fail_on_every_rank(runs):
 def test_refusals(tmp_path):
     """ep not dividing the experts or the data-parallel degree: one error naming both numbers."""
     from conftest import training_args
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.parallel import Topology
     from paddletune.parallel.topology import TopologyError, expert_degree_from_args
 

@@ -133,6 +133,6 @@ def test_layout_checks():
 
     class TPEP:
         tp_degree, pp_degree, ep_degree = 2, 1, 2
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     with pytest.raises(ValueError, match="tensor_parallel_degree 2 with expert_parallel_degree 2"):
         load_model("paddletune/tiny-mixtral", topology=TPEP())

@@ -22,7 +22,7 @@ def run(ck, out, optimizer, lora=False, steps=5, **kw):
     losses, {name: trained weight}, the trainer)."""
     from paddletune import peft, runtime
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer, trainer as trainer_module
 
     runtime.set_seed(0)

@@ -189,7 +189,7 @@ def test_whole_model_logits_equal_transformers_with_numpy_layers(tmp_path, metho
     y + up(gelu(down(y))) for the adapters, y + b for BitFit."""
     import torch
 
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     path, ref = hf_checkpoint(tmp_path / "ck", "llama")
     model = load_model(path)

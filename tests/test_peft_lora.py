@@ -12,7 +12,7 @@ from peft_util import tiny, randomize, ids, run as logits
 from conftest import copy_pairs, hf_checkpoint, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.peft import lora
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import load_checkpoint, read_tensors

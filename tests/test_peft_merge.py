@@ -13,7 +13,8 @@ import pytest
 from conftest import TINY_TOKENIZER, hf_checkpoint, rel_err, run_script
 from paddletune import peft
 from paddletune.args import ModelArgument
-from paddletune.models import hf, load_model
+from paddletune.models import hf
+from paddletune.loading import load_model
 from paddletune.trainer.checkpoint import read_tensors
 
 

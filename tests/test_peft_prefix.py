@@ -12,7 +12,7 @@ from peft_util import tiny, randomize, ids, run
 from conftest import copy_pairs, hf_checkpoint, lm_loss, rel_err, token_accuracy, training_args
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument, build
-from paddletune.models import load_model
+from paddletune.loading import load_model
 from paddletune.models.cache import KVCache
 from paddletune.peft import prefix
 from paddletune.trainer import Trainer

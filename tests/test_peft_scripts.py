@@ -11,7 +11,8 @@ import pytest
 
 from conftest import rel_err, run_script
 from paddletune import peft
-from paddletune.models import load_model, resolve_model_path
+from paddletune.models import resolve_model_path
+from paddletune.loading import load_model
 
 
 def counts():

@@ -109,7 +109,7 @@ def test_builtin_template_none_and_src_length(ckpt, tmp_path):
 def test_dtype_float64_answers_and_16_bit_on_cpu(ckpt, tmp_path, monkeypatch):
     """--dtype float64 loads float64 weights and gives transformers' greedy answers; bfloat16
     (and a bf16 checkpoint's own dtype) computes in float32 on CPU, which has no 16-bit matmul."""
-    import paddletune.generation as gen
+    import paddletune.loading as gen
 
     path, hf = ckpt
     real, seen = gen.load_for_generation, []
@@ -188,7 +188,7 @@ def test_chat_without_a_checkpoint_template(tmp_path):
     (["--dtype", "int8"], "must be one of"),
 ])
 def test_bad_input_fails_before_loading_the_model(ckpt, monkeypatch, capsys, args, msg):
-    import paddletune.generation as gen
+    import paddletune.loading as gen
 
     monkeypatch.setattr(gen, "load_for_generation", lambda *a, **k: pytest.fail("model was loaded"))
     rc, _ = run(["--model_name_or_path", ckpt[0]] + args)

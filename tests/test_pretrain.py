@@ -26,7 +26,7 @@ def run(cmd, env=None, **kw):
 # ------------------------------------------------------------------ format
 
 def test_tool_output_reads_back_as_tokenizer_ids(tmp_path, capsys):
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     texts = ["The quick brown fox.", "", "jumps over the lazy dog", "x" * 50, "tabs\tand\nnewlines"]
     src = tmp_path / "in.jsonl"

@@ -256,7 +256,7 @@ def test_load_quantized_checkpoint_matches_transformers(tmp_path, caplog):
     import logging
 
     import torch
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     path, hf = hf_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=256, vocab_size=600)
     cfg = QuantConfig("nf4", 32, True, 256)

@@ -26,7 +26,7 @@ def test_qlora_copy_task_and_merge_into_original_weights(base_ckpt, algo, tmp_pa
 
     from paddletune import peft
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.quant import QuantConfig, QuantizedLinear
     from paddletune.trainer import Trainer
 

@@ -9,7 +9,7 @@ import tiktoken
 
 from paddletune.models.qwen_tokenizer import PAT, SPECIALS, read_ranks
 from paddletune.models.tiny import ASSETS
-from paddletune.tokenizer import Tokenizer
+from paddletune.loading import load_tokenizer
 
 TINY = os.path.join(ASSETS, "tiny-qwen-tokenizer")
 TEXTS = ["Add 2 and 3.", "hello world  \n\n  foo\r\nbar", "问：你好吗？答：很好 1234567",
@@ -22,7 +22,7 @@ def pair():
     ranks = read_ranks(os.path.join(TINY, "qwen.tiktoken"))
     enc = tiktoken.Encoding("qwen-tiny", pat_str=PAT, mergeable_ranks=ranks,
                             special_tokens={s: len(ranks) + i for i, s in enumerate(SPECIALS)})
-    return Tokenizer(TINY), enc, len(ranks)
+    return load_tokenizer(TINY), enc, len(ranks)
 
 
 def test_ids_equal_tiktoken(pair):
@@ -53,7 +53,7 @@ def test_chatml_template_and_save(pair, tmp_path):
     assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     tok.save_pretrained(str(tmp_path / "out"))
     assert os.path.exists(tmp_path / "out" / "qwen.tiktoken")
-    again = Tokenizer(str(tmp_path / "out"))
+    again = load_tokenizer(str(tmp_path / "out"))
     assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 
 
@@ -64,7 +64,7 @@ def test_missing_or_malformed_vocabulary(tmp_path):
     d.mkdir()
     shutil.copy(os.path.join(TINY, "tokenizer_config.json"), d)
     with pytest.raises(FileNotFoundError, match="qwen.tiktoken"):
-        Tokenizer(str(d))
+        load_tokenizer(str(d))
     (d / "qwen.tiktoken").write_text("AA== 0\nnot-a-line\n")
     with pytest.raises(ValueError, match="qwen.tiktoken:2"):
-        Tokenizer(str(d))
+        load_tokenizer(str(d))

@@ -494,7 +494,7 @@ def test_smaller_items(tmp_path, capsys, caplog, monkeypatch):
                     "--load_best_model_at_end", "false"])
     # DPO: chosen == rejected
     from paddletune.alignment.data import PairTokenizer, load_preference_split
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     rows = [{"prompt": "q1", "chosen": "a b", "rejected": "a b"},
             {"prompt": "q2", "chosen": "yes", "rejected": "no"}]

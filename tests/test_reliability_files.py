@@ -179,8 +179,9 @@ def test_lazy_bad_line_names_file_and_line_and_can_be_skipped(ft, data, tmp_path
 
 def test_exported_files_follow_the_umask(tmp_path):
     from paddletune.io import UMASK, atomic_dir, write_json
-    from paddletune.models import load_model, resolve_model_path, save_pretrained
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.models import resolve_model_path, save_pretrained
+    from paddletune.loading import load_model
+    from paddletune.loading import load_tokenizer
     from paddletune.trainer.metrics import write_json_lines
 
     current = os.umask(0o022)
@@ -204,7 +205,8 @@ def test_exported_files_follow_the_umask(tmp_path):
 def adapter(tmp_path_factory):
     from paddletune import peft
     from paddletune.args import ModelArgument
-    from paddletune.models import load_model, resolve_model_path
+    from paddletune.models import resolve_model_path
+    from paddletune.loading import load_model
     from paddletune.peft import lora
 
     base = resolve_model_path("paddletune/tiny-llama")

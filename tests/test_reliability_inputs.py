@@ -241,7 +241,7 @@ def test_warnings_for_what_is_allowed(base, tmp_path, caplog):
     targets among real ones warn with the count."""
     from paddletune.args import DataArgument
     from paddletune.data.sft import build_datasets, check_positions
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     ds, _ = build_datasets(DataArgument(dataset_name_or_path=base["data"], src_length=64, max_length=128),
                            load_tokenizer(base["model"]))
@@ -269,7 +269,7 @@ PRED = {
 @pytest.mark.parametrize("case", list(PRED))
 def test_predictor_checks_before_loading(base, tmp_path, monkeypatch, capsys, case):
     pred = load_script("llm/predictor.py")
-    import paddletune.generation as generation
+    import paddletune.loading as generation
 
     loaded = []
     monkeypatch.setattr(generation, "load_for_generation", lambda *a, **k: loaded.append(a))

@@ -30,7 +30,7 @@ def result(run):
 
 def test_dropout_is_active(ck):
     import paddle
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     model = load_model(ck)
     model.train()

@@ -28,7 +28,7 @@ def lora_adapter(out_dir):
     import numpy as np
     import paddle
 
-    from paddletune.generation import load_for_generation
+    from paddletune.loading import load_for_generation
     from paddletune.peft import lora
 
     model, tok, _ = load_for_generation(BASE)
@@ -134,7 +134,8 @@ def paddletune_pipeline_answer(model, prompt):
 
 def first_difference_margin(prompt, answer, got):
     """On a mismatch: the top-2 logit margin of the solo run at the first differing step."""
-    from paddletune.generation import generate, load_for_generation
+    from paddletune.generation import generate
+    from paddletune.loading import load_for_generation
     from paddletune.text_generation import encode_prompt
 
     model, tok, _ = load_for_generation(BASE, lora_path=MODEL)

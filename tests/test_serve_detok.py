@@ -7,7 +7,7 @@ import pytest
 
 from paddletune.generation import decode_output
 from paddletune.serve.detok import IncrementalDetokenizer, StreamText
-from paddletune.tokenizer import load_tokenizer
+from paddletune.loading import load_tokenizer
 
 TEXTS = ["Hello world, 你好，世界 🙂 ok", "  two  spaces\nand a newline", "温故而知新🚀🚀 end",
          "def f(x):\n    return x  # 注释"]

@@ -27,7 +27,7 @@ def chain_model(out_dir):
     """Save a tiny-chatglm2 checkpoint whose greedy answer to anything is ANSWER."""
     import paddle
 
-    from paddletune.generation import load_for_generation
+    from paddletune.loading import load_for_generation
     from paddletune.models import save_pretrained
 
     model, tok, _ = load_for_generation("paddletune/tiny-chatglm2")

@@ -51,7 +51,7 @@ def test_sft_tp_output_is_one_hf_model_equal_to_single_process(outputs):
     import paddle
     import torch
     import transformers
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     tp, one = CheckpointReader(str(outputs / "sft" / "tp")), CheckpointReader(str(outputs / "sft" / "one"))
     assert sorted(tp.keys()) == sorted(one.keys())

@@ -55,7 +55,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     from conftest import training_args
     from paddletune import parallel, peft, runtime
     from paddletune.args import ModelArgument, QuantArgument
-    from paddletune.models import hf, load_model
+    from paddletune.models import hf
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer
 
     args = training_args(out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
@@ -90,10 +91,10 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         pipe.trace = []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
                       export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn, train_source=source,
-                      callbacks=[lambda tr, info: marks.append(len(tr.tp.log) if tr.tp else 0),
+                      callbacks=[lambda tr, info: marks.append(len(tr.par.tp.log) if tr.par.tp else 0),
                                  lambda tr, info: held.append(_holdings(tr, info))])
     tpg = getattr(model, "tensor_parallel", None)
-    shard = getattr(trainer, "shard", None)   # stage 3 holds only its own tensors until a step
+    shard = trainer.par.shard   # stage 3 holds only its own tensors until a step
     if shard is not None:
         shard.gather(trainer.trainable)
     initial = _gather_trainable(model, trainer, tpg)
@@ -142,15 +143,15 @@ def _holdings(trainer, info):
     what sharding measured (gradient / optimizer-state elements, stage 3's peak in a step)."""
     import numpy as np
     ids = [int(i) for mb in info["micro_batches"] for i in mb["example_ids"].tolist()]
-    shard = trainer.shard.stats if getattr(trainer, "shard", None) is not None else None
+    shard = trainer.par.shard.stats if trainer.par.shard is not None else None
     opt = sum(int(t.size) for d in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
               for t in d.values())
-    resident = (trainer.shard.resident(trainer.trainable) if shard is not None
+    resident = (trainer.par.shard.resident(trainer.trainable) if shard is not None
                 else sum(paddle_numel(p) for p in trainer.trainable.values()))
-    lw = getattr(trainer.shard, "layerwise", None) if shard is not None else None
+    lw = getattr(trainer.par.shard, "layerwise", None) if shard is not None else None
     if lw is not None:   # stage 3 by blocks: the most a step should hold at once
-        size = lambda names: sum(int(np.prod(trainer.shard.shapes[n])) for n in names)  # noqa: E731
-        mine = lambda names: [n for n in names if not trainer.shard.owns(n)]  # noqa: E731
+        size = lambda names: sum(int(np.prod(trainer.par.shard.shapes[n])) for n in names)  # noqa: E731
+        mine = lambda names: [n for n in names if not trainer.par.shard.owns(n)]  # noqa: E731
         shard = dict(shard, peak_bound=resident + size(mine(lw.rest)) + max(size(mine(u.names)) for u in lw.units))
     return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
             "optimizer_numel": opt}
@@ -195,7 +196,7 @@ def load_memory(ckpt, tp=2):
     memory a previous case freed would be reused and hide part of the growth."""
     from conftest import training_args
     from paddletune import parallel
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
 
     topo = parallel.init(training_args("/tmp/unused", tensor_parallel_degree=tp)) if tp > 1 else parallel.single()
     with open("/proc/self/clear_refs", "w") as f:

@@ -81,7 +81,8 @@ def make_model(source, dtype, mode):
 
     from paddletune import peft
     from paddletune.args import ModelArgument
-    from paddletune.models import build_model, load_model
+    from paddletune.loading import load_model
+    from paddletune.models import build_model
     from paddletune.quant import QuantConfig
 
     quant = QuantConfig(algo="nf4") if mode == "qlora" else None
@@ -158,7 +159,8 @@ def check_fused_vs_dense(rep, dtype="bfloat16"):
     on a CUDA build), three batch layouts; and the table's choices taken."""
     import paddle
 
-    from paddletune.models import load_model, ops
+    from paddletune.loading import load_model
+    from paddletune.models import ops
 
     model = load_model("paddletune/tiny-llama", dtype=dtype)
     ops.TAKEN.clear()

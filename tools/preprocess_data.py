@@ -101,7 +101,7 @@ def main(argv=None):
     a = parser().parse_args(argv)
     check(a)
     from paddletune.models import resolve_model_path
-    from paddletune.tokenizer import load_tokenizer
+    from paddletune.loading import load_tokenizer
 
     tok = load_tokenizer(a.tokenizer_name_or_path or resolve_model_path(a.model_name_or_path))
     eos = tok.eos_token_id

@@ -49,7 +49,7 @@ def build(spec):
     """(trainer, batches) ready to step: the shared checkpoint loaded, LoRA applied if asked."""
     from paddletune import runtime
     from paddletune.args import TrainingArguments
-    from paddletune.models import load_model
+    from paddletune.loading import load_model
     from paddletune.trainer import Trainer
 
     runtime.set_seed(spec["seed"])

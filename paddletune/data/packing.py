@@ -156,10 +156,9 @@ class PackedSource:
 
 def build_train_source(data_args, args, tok, train_ds, topo=None):
     """The Trainer's `train_source` for zero padding and/or lazy data; None means the default
-    (in-memory examples, right-padded batches)."""
-    from .. import parallel
-
-    topo = topo or parallel.single()
+    (in-memory examples, right-padded batches). `topo` (parallel.Topology; None: one process)
+    gives this rank's share of the data."""
+    dp_degree, dp_rank = (topo.data_degree, topo.data_rank) if topo is not None else (1, 0)
     zero = bool(data_args.zero_padding or data_args.greedy_zero_padding)
     common = dict(pad_id=tok.pad_token_id or 0, pad_to_multiple_of=data_args.pad_to_multiple_of,
                   pad_to_max_length=data_args.pad_to_max_length)
@@ -167,14 +166,14 @@ def build_train_source(data_args, args, tok, train_ds, topo=None):
         from .lazy import LazySource
 
         return LazySource(train_ds, args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                          topo.data_degree, topo.data_rank, zero_padding=zero,
+                          dp_degree, dp_rank, zero_padding=zero,
                           greedy=data_args.greedy_zero_padding, capacity=data_args.max_length, **common)
     if not zero:
         return None
     source = PackedSource(train_ds, data_args.max_length, args.per_device_train_batch_size,
-                          args.gradient_accumulation_steps, topo.data_degree, topo.data_rank,
+                          args.gradient_accumulation_steps, dp_degree, dp_rank,
                           seed=args.data_seed if args.data_seed is not None else args.seed,
                           greedy=data_args.greedy_zero_padding, drop_last=args.dataloader_drop_last, **common)
-    if topo.is_main:
+    if topo is None or topo.is_main:
         source.log()
     return source

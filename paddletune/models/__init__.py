@@ -1,6 +1,6 @@
 """Model loading and saving in Hugging Face format.
 
-    model = load_model(dir)                  # eval mode, weights streamed tensor by tensor
+    model = paddletune.loading.load_model(dir)   # eval mode, weights streamed tensor by tensor
     save_pretrained(model, out_dir, tokenizer=tok)
     model = build_model(config_dict, seed=0) # random init (tests, tools)
 """
@@ -13,7 +13,6 @@ import paddle
 
 from ..io import CONFIG_CAP, publish_into, read_json, write_json
 from . import hf
-from .memory import check_fits
 from .spec import ModelSpec, get_spec, registered_types, spec_for_config  # noqa: F401
 from .tiny import BUILTIN as _BUILTIN
 
@@ -242,75 +241,6 @@ def _unmap(reader, name):
     f = files.get(name) if isinstance(files, dict) else None
     if f is not None and hasattr(f, "release"):
         f.release()   # remapped on the next read; unmapping returns the read pages
-
-
-def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
-    """Load a HF-format checkpoint directory as a paddle model in eval mode.
-
-    `topology` (parallel.Topology) says which part of the model this rank holds; every rank of a
-    data-parallel layout holds all of it. `quant` (a QuantArgument with weight_quantize_algo set,
-    or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
-    are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
-    allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md)."""
-    path = resolve_model_path(name_or_path)
-    spec, cfg = load_config(path)
-    check_fits(path, cfg, topology, quant)   # weights per rank x local ranks vs host memory
-    if getattr(cfg, "moe", None) and topology is not None and topology.pp_degree > 1:
-        raise ValueError(f"{path}: a Mixture-of-Experts model ({cfg.model_type}) has no pipeline-"
-                         "parallel form yet (the router's load-balancing loss spans every stage): "
-                         "set pipeline_parallel_degree to 1")
-    if getattr(cfg, "moe", None) and topology is not None and topology.tp_degree > 1 and topology.ep_degree > 1:
-        raise ValueError(f"{path}: tensor_parallel_degree {topology.tp_degree} with "
-                         f"expert_parallel_degree {topology.ep_degree}: tensor and expert "
-                         "parallel together are not built for Mixture-of-Experts models; set "
-                         "one of them to 1")
-    if topology is not None and topology.ep_degree > 1:
-        from ..parallel.expert import check_experts
-
-        check_experts(cfg, topology.ep_degree)
-    tp = topology is not None and topology.tp_degree > 1
-    if tp:
-        from ..parallel.plan import check_layout
-
-        check_layout(spec, cfg, topology.tp_degree)
-    model = build_model(cfg, dtype=dtype)
-    model.name_or_path = path
-    pp = topology is not None and topology.pp_degree > 1
-    only = None
-    if pp:   # this stage's blocks (and embedding / norm / head) only are read; the rest stays lazy
-        from ..parallel.pipeline import check_stages, owned
-
-        check_stages(cfg, topology.pp_degree)
-    if quant is not None:
-        from ..quant import format_report, quantize_model_lazily
-
-        quantize_model_lazily(model, quant)   # no-op when weight_quantize_algo is unset
-    if pp:
-        only = owned(model, topology.pp_rank, topology.pp_degree)
-    if getattr(cfg, "moe", None) and topology is not None and topology.data_degree > 1:
-        from ..parallel import expert
-
-        # router statistics over the data ranks; under expert parallel this rank's experts only
-        # are read (the others stay lazy: no memory)
-        ep = expert.install(model, topology)
-        if ep.degree > 1:
-            only = ep.reads
-    if tp:   # this rank's slices only, as DTensors; the plan's executors installed
-        from ..parallel import tensor as tensor_parallel
-
-        group = tensor_parallel.TensorParallel(topology)
-        tensor_parallel.load_sharded(model, path, group, only=only)
-        tensor_parallel.install(model, group)
-    else:
-        load_weights(model, path, spec, only=only, dtype=dtype)
-    if pp:
-        from ..parallel.pipeline import Pipeline
-
-        model.pipeline = Pipeline(model, topology)
-    if getattr(model, "quant_config", None) is not None:
-        logger.info("%s", format_report(model))   # bytes held vs float32, whole model
-    model.eval()
-    return model
 
 
 def declared_dtype(config):

@@ -36,6 +36,8 @@ import numpy as np
 from ..io import publish_into, read_json, write_json
 from . import hf
 
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"   # HF-PEFT
+
 FORMATS = ("hf", "glm")
 T = "transformer."
 RENAME = {T + "embedding.word_embeddings": "model.embed_tokens",
@@ -133,10 +135,12 @@ def model_to_glm(out_dir, max_shard_size="5GB"):
 
 def lora_to_glm(adapter_dir, base_config):
     """Rewrite an HF-PEFT LoRA adapter of a ChatGLM2/3 model in place for the GLM layout."""
-    from ..peft import lora
-
+    # read as files (peft/ sits above models/): the adapter was written by peft.lora.save
     glm = glm_config(base_config)
-    conf, _, raw = lora.read(adapter_dir)
+    conf = read_json(os.path.join(adapter_dir, ADAPTER_CONFIG))
+    st = hf.SafetensorsFile(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
+    raw = {k: st.get(k) for k in st.keys()}
+    st.release()
     out, targets = {}, set()
     for key, arr in raw.items():
         # base_model.model.<module>.lora_A.weight / lora_B.weight
@@ -146,11 +150,11 @@ def lora_to_glm(adapter_dir, base_config):
             part = arr if rows is None or kind.startswith("A") else arr[rows[0]:rows[1]]
             out[f"base_model.model.{new}.lora_{kind}"] = np.ascontiguousarray(part)
             targets.add(new.rsplit(".", 1)[-1])
-    conf = {k: v for k, v in conf.items() if not k.startswith("_")}   # read() adds _scaling
+    conf = {k: v for k, v in conf.items() if not k.startswith("_")}   # (peft's in-memory keys)
     conf["target_modules"] = sorted(targets)
     with publish_into(adapter_dir, stale_patterns=("adapter_model*.safetensors",)) as tmp:
-        hf.write_safetensors(os.path.join(tmp, lora.WEIGHTS), out)
-        write_json(os.path.join(tmp, lora.CONFIG), conf)
+        hf.write_safetensors(os.path.join(tmp, ADAPTER_WEIGHTS), out)
+        write_json(os.path.join(tmp, ADAPTER_CONFIG), conf)
     return adapter_dir
 
 

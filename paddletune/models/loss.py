@@ -95,14 +95,12 @@ def hidden_loss(model, hidden, labels, keep_logits=False):
 
 def lm_loss_for(model):
     """The causal-LM loss function for `model`: this module's, or the vocabulary-parallel one of a
-    tensor-parallel model (parallel/vocab.py), both f(model, batch, keep_logits=False); a
+    tensor-parallel model (its `tensor_parallel` supplies parallel/vocab.py's), both f(model, batch, keep_logits=False); a
     Mixture-of-Experts model's adds the router's load-balancing loss (moe_causal_lm_loss)."""
     if getattr(model.config, "moe", None):
         return moe_causal_lm_loss
     if getattr(model, "tensor_parallel", None) is not None:
-        from ..parallel.vocab import tp_causal_lm_loss
-
-        return tp_causal_lm_loss
+        return model.tensor_parallel.causal_lm_loss
     return causal_lm_loss
 
 
@@ -110,9 +108,7 @@ def hidden_loss_for(model):
     """hidden_loss, or its vocabulary-parallel form for a tensor-parallel model: both
     f(model, hidden, labels, keep_logits=False) -> LossOutput (pipeline stages use it)."""
     if getattr(model, "tensor_parallel", None) is not None:
-        from ..parallel.vocab import tp_hidden_loss
-
-        return tp_hidden_loss
+        return model.tensor_parallel.hidden_loss
     return hidden_loss
 
 
@@ -155,9 +151,7 @@ def moe_causal_lm_loss(model, batch, keep_logits=False):
     padding, causal attention), so padded positions do not count in the router statistics.
     Under tensor parallel the token loss runs on this rank's vocabulary shard; the router runs
     whole on every rank on the replicated hidden state, so the aux loss is the same on each."""
-    token_loss = hidden_loss
-    if getattr(model, "tensor_parallel", None) is not None:
-        from ..parallel.vocab import tp_hidden_loss as token_loss
+    token_loss = hidden_loss_for(model)
     mask = batch.get("attention_mask")
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
     out = model(**inputs, return_hidden=True)

@@ -164,6 +164,20 @@ def tokenizer_class_for(name, path=None):
     return (plain or [cls for _, cls in found] or [None])[0]
 
 
+def tokenizer_class_of(path):
+    """tokenizer_class_for the tokenizer_class named in path/tokenizer_config.json (None without
+    that file or name): the family's Tokenizer subclass; None means the plain Tokenizer reads it.
+    loading.load_tokenizer makes the choice; the classes are named here as strings, so models/
+    imports no tokenizer."""
+    conf = os.path.join(path, "tokenizer_config.json")
+    if not os.path.lexists(conf):   # (a dangling link is read, and refused by read_json)
+        return None
+    from ..io import CONFIG_CAP, read_json
+
+    d = read_json(conf, "tokenizer_config.json", CONFIG_CAP)
+    return tokenizer_class_for(d.get("tokenizer_class") if isinstance(d, dict) else None, path)
+
+
 def conversion_fixups(src_dir, config, overrides=None):
     """Config keys a checkpoint converted from `src_dir` must gain ({} for most families);
     `config` is the source config.json (model_type already HF's), `overrides` the converter's

@@ -128,9 +128,10 @@ def make_tiny_checkpoint(out_dir, model_type="llama", seed=0, tokenizer_dir=TINY
     `chat_template`, a built-in template name, in its tokenizer_config.json)."""
     from . import build_model, get_spec, save_pretrained
     from ..tokenizer import Tokenizer
+    from .spec import tokenizer_class_of
 
     spec = get_spec(model_type)
-    tok = Tokenizer(tokenizer_dir)
+    tok = (tokenizer_class_of(tokenizer_dir) or Tokenizer)(tokenizer_dir)
     if chat_template:
         tok.set_chat_template(chat_template)
     config = dict(spec.tiny_config)

@@ -13,7 +13,7 @@ ranks (topology.py "ep" / "ep_data" groups; the MoE layout itself: expert.py).
 """
 import os
 
-from .topology import (AXES, Topology, TopologyError, coordinates, degrees_from_args,
+from .topology import (AXES, Topology, TopologyError, coordinates, create_groups, degrees_from_args,
                        expert_degree_from_args, group_ranks)
 
 __all__ = ["init", "single", "Topology", "TopologyError", "degrees_from_args", "world_from_env"]
@@ -48,22 +48,11 @@ def init(training_args=None):
 
 
 def _make_groups(rank, degrees, world, ep=1):
-    """This rank's process group per axis whose groups are proper subsets of the world. Every
-    rank creates every group of an axis, in the same order (group creation is collective)."""
-    from .cpu_compat import new_group
-
+    """This rank's process group per axis whose groups are proper subsets of the world."""
     groups = {}
     for axis in AXES + ("data", "ep", "ep_data"):
         size = len(group_ranks(0, degrees, axis, ep))
         if size <= 1 or size == world:
             continue
-        seen = []
-        for r in range(world):
-            ranks = group_ranks(r, degrees, axis, ep)
-            if ranks in seen:
-                continue
-            seen.append(ranks)
-            g = new_group(ranks, world)
-            if rank in ranks:
-                groups[axis] = g
+        groups[axis] = create_groups(rank, world, lambda r: [group_ranks(r, degrees, axis, ep)])
     return groups

@@ -80,7 +80,7 @@ def owned(model, stage, num_stages):
 
 def prune_to_stage(model, stage, num_stages):
     """Replace what this stage does not hold by Absent modules (their parameters were never
-    loaded: models.load_model reads only the stage's). Done after PEFT wrapped the layers, so
+    loaded: loading.load_model reads only the stage's). Done after PEFT wrapped the layers, so
     adapters are drawn as in one process and then dropped with the blocks they belong to. Names of
     what stays are unchanged (full-model names in checkpoints and exports)."""
     from ..peft.common import replace_module
@@ -124,9 +124,9 @@ class Pipeline:
             self.tied_name = next(n for n, p in model.named_parameters() if p is w)
 
     def _pair_groups(self, tied):
-        """{(rank a, rank b): 2-rank group} for every pair of adjacent stages of every replica (and
-        the {first, last stage} pair when the embedding is tied: its two copies get their
-        gradients summed there); every rank creates every such group, in the same order.
+        """{(rank a, rank b): 2-rank group} of this rank: its pairs of adjacent stages (and the
+        {first, last stage} pair when the embedding is tied: its two copies get their gradients
+        summed there), each family created collectively by topology.create_groups.
 
         Why point-to-point needs its own groups: a gloo process group gives every operation,
         sends and receives included, the next number of one per-group counter as its tag, so
@@ -136,19 +136,20 @@ class Pipeline:
         no batch; pipelines of 3+ stages, whose middle stages send and receive more than the
         ends), and the next world collective (a checkpoint's all_gather) waits forever. On a
         pair group every send has its receive, so both counters stay equal."""
-        from .cpu_compat import new_group
-        from .topology import group_ranks
+        from .topology import create_groups, group_ranks
 
-        wanted = []
-        for r in range(self.topo.world_size):
-            ranks = group_ranks(r, self.topo.degrees, "pp")
-            pairs = list(zip(ranks[:-1], ranks[1:])) + ([(ranks[0], ranks[-1])] if tied else [])
-            wanted += [p for p in pairs if p not in wanted]
-        made = {}
-        for pair in wanted:
-            if tuple(sorted(pair)) not in made:
-                made[tuple(sorted(pair))] = new_group(list(pair), self.topo.world_size)
-        return {p: made[tuple(sorted(p))] for p in wanted if self.topo.rank in p}
+        def stages(r):
+            return group_ranks(r, self.topo.degrees, "pp")
+
+        mine, ranks = {}, stages(self.topo.rank)
+        for s in range(self.num_stages - 1):   # the boundary between stage s and s + 1
+            g = create_groups(self.topo.rank, self.topo.world_size,
+                              lambda r, s=s: [[stages(r)[s], stages(r)[s + 1]]])
+            mine[(ranks[s], ranks[s + 1])] = g
+        if tied and self.num_stages > 2:       # (two stages: the boundary pair is that pair)
+            mine[(ranks[0], ranks[-1])] = create_groups(
+                self.topo.rank, self.topo.world_size, lambda r: [[stages(r)[0], stages(r)[-1]]])
+        return {pair: g for pair, g in mine.items() if self.topo.rank in pair}
 
     # ------------------------------------------------------------------ point to point
     def _log(self, *event):

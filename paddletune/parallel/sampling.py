@@ -227,10 +227,10 @@ def sample_from_shards(e, u, tp, vocab_size):
     return paddle.clip(idx, max=vocab_size - 1)
 
 
-def choose_tokens(logits, cfg, seen, u, tp, vocab_size):
-    """generation.choose_tokens on this rank's shard: logits [B, Vl] float32 -> ids [B] int64."""
-    from ..generation import penalize_repetition
-
+def choose_tokens(logits, cfg, seen, u, tp, vocab_size, penalize_repetition):
+    """generation.choose_tokens on this rank's shard: logits [B, Vl] float32 -> ids [B] int64.
+    `penalize_repetition` is generation's (elementwise, so it applies to a shard as is; passed
+    in because generation sits above parallel/)."""
     z = mask_padding(logits, tp, vocab_size)
     if cfg.repetition_penalty != 1.0 and seen is not None:
         z = penalize_repetition(z, seen, cfg.repetition_penalty)

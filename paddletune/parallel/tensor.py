@@ -57,6 +57,26 @@ class TensorParallel:
         self._memo = (None, None)   # (last column-layer input, its f(.)): q/k/v share one f
         self._replica_groups = {}   # c -> group of the c consecutive TP ranks sharing a head
 
+    # The vocabulary-parallel forms of models/loss.py's functions (parallel/vocab.py), found
+    # through the model's `tensor_parallel`: models/ never imports parallel/.
+    @property
+    def causal_lm_loss(self):
+        from .vocab import tp_causal_lm_loss
+
+        return tp_causal_lm_loss
+
+    @property
+    def hidden_loss(self):
+        from .vocab import tp_hidden_loss
+
+        return tp_hidden_loss
+
+    def symmetric_kl(self, z1, z2):
+        """R-Drop's per-row symmetric KL over vocabulary shards (vocab.sharded_symmetric_kl)."""
+        from .vocab import sharded_symmetric_kl
+
+        return sharded_symmetric_kl(z1, z2, self)
+
     def replica_group(self, c):
         """The group of the c consecutive tensor-parallel ranks (this one among them) that hold
         the same replicated key/value head. Created on first use by every rank of the job, in the
@@ -65,22 +85,13 @@ class TensorParallel:
             if c == self.degree:
                 self._replica_groups[c] = self.group
             else:
-                from .cpu_compat import new_group
+                from .topology import create_groups, group_ranks
 
-                from .topology import group_ranks
-
-                seen, mine = [], None
-                for r in range(self.topo.world_size):
+                def chunks(r):   # rank r's tensor-parallel group cut into runs of c
                     tp_ranks = group_ranks(r, self.topo.degrees, "tp")
-                    for i in range(0, len(tp_ranks), c):
-                        chunk = tp_ranks[i:i + c]
-                        if chunk in seen:
-                            continue
-                        seen.append(chunk)
-                        g = new_group(chunk, self.topo.world_size)
-                        if self.topo.rank in chunk:
-                            mine = g
-                self._replica_groups[c] = mine
+                    return [tp_ranks[i:i + c] for i in range(0, len(tp_ranks), c)]
+
+                self._replica_groups[c] = create_groups(self.topo.rank, self.topo.world_size, chunks)
         return self._replica_groups[c]
 
     def all_reduce(self, t, op="sum"):
@@ -394,7 +405,7 @@ def global_grad_norm(sq_terms, split_flags, tp, excess=None):
 
 def install(model, tp):
     """Apply the plan's executors and local execution to a model whose parameters are DTensors
-    (models.load_model calls this under TP). Idempotent for adapters added later: call
+    (loading.load_model calls this under TP). Idempotent for adapters added later: call
     `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
     spec = model.spec
     for name, m in model.named_sublayers():
@@ -497,7 +508,7 @@ def read_local(reader, spec, name, split, shape, tp):
 
 
 def load_sharded(model, path, tp, reader=None, only=None):
-    """Fill a lazily built model with this rank's slices (models.load_model under TP): every
+    """Fill a lazily built model with this rank's slices (loading.load_model under TP): every
     parameter becomes a DTensor holding only its slice; quantized linears quantize their slice."""
     from ..models import hf
     from ..models import check_checkpoint_shapes

@@ -80,6 +80,28 @@ def coordinates(rank, degrees):
     return dict(zip(AXES, (int(i) for i in np.unravel_index(rank, shape))))
 
 
+def create_groups(rank, world, groups_of):
+    """This rank's process group of a family of groups, created collectively: every rank creates
+    every group, in the same order (group creation is collective; a rank that skipped one would
+    pair its next creation with another rank's different group). groups_of(r) lists the groups
+    (lists of global ranks) rank r belongs to; each distinct group is created once, in order of
+    first appearance over r = 0 .. world-1. Returns None when this rank is in none of them.
+    The one group-creation path of the package: Topology's axes (parallel.init), tensor
+    parallel's replicated-head groups, the pipeline's stage pairs (point-to-point, tied embedding)."""
+    from .cpu_compat import new_group
+
+    seen, mine = [], None
+    for r in range(world):
+        for ranks in groups_of(r):
+            if ranks in seen:
+                continue
+            seen.append(ranks)
+            g = new_group(ranks, world)
+            if rank in ranks:
+                mine = g
+    return mine
+
+
 def group_ranks(rank, degrees, axis, ep=1):
     """Global ranks of `rank`'s group along `axis` ("data" = the dp and sharding axes together;
     "ep" / "ep_data" = the expert groups of the module docstring, at expert degree `ep`), in order."""

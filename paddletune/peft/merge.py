@@ -157,11 +157,14 @@ def _read_each(st, names):
 
 
 def _copy_tokenizer(lora_path, base, out):
-    """The tokenizer saved with the adapter (the fine-tuned run's), else the base's."""
-    from ..tokenizer import load_tokenizer
+    """The tokenizer saved with the adapter (the fine-tuned run's), else the base's, copied by its
+    family's class (loading.tokenizer_class's choice; peft sits below loading, so it asks the
+    models registry itself)."""
+    from ..models.spec import tokenizer_class_of
+    from ..tokenizer import Tokenizer
 
     for src in (lora_path, base):
         if any(os.path.exists(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer.model")):
-            load_tokenizer(src).save_pretrained(out)
+            (tokenizer_class_of(src) or Tokenizer)(src).save_pretrained(out)
             return
     logger.warning("no tokenizer files in %s or %s; the merged model has none", lora_path, base)

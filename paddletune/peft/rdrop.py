@@ -14,10 +14,8 @@ from ..models.loss import LossOutput, lm_loss_for
 def symmetric_kl(logits1, logits2, tp=None):
     """[n, V], [n, V] -> [n]: KL(p1||p2) + KL(p2||p1) per row (float32). With `tp` the logits are
     vocabulary shards [n, V/t] and the sums run over every rank's shard (parallel/vocab.py)."""
-    if tp is not None:
-        from ..parallel.vocab import sharded_symmetric_kl
-
-        return sharded_symmetric_kl(logits1, logits2, tp)
+    if tp is not None:   # the model's tensor_parallel (parallel.tensor.TensorParallel)
+        return tp.symmetric_kl(logits1, logits2)
     lp1 = F.log_softmax(logits1.astype("float32"), axis=-1)
     lp2 = F.log_softmax(logits2.astype("float32"), axis=-1)
     return ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum(-1)

@@ -8,7 +8,6 @@ Every argument is checked, and the port is bound, before the model is loaded; ba
 `error:` line and exit code 2.
 """
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -103,29 +102,28 @@ def check(a):
 
 
 def adapter_base(a):
-    """--model_name_or_path naming an adapter directory (adapter_config.json, no config.json)
-    means its base_model_name_or_path with that adapter (as predictor.py does)."""
-    d = a.model_name_or_path
-    conf = os.path.join(d, "adapter_config.json")
-    if not os.path.isfile(conf) or os.path.isfile(os.path.join(d, "config.json")) or a.lora_path or a.prefix_path:
+    """--model_name_or_path naming an adapter directory means its base_model_name_or_path with
+    that adapter (loading.adapter_base, as predictor.py does)."""
+    from ..loading import adapter_base as found
+
+    if a.lora_path or a.prefix_path:
         return
-    with open(conf) as f:
-        ac = json.load(f)
-    base, kind = ac.get("base_model_name_or_path"), str(ac.get("peft_type", "LORA")).upper()
-    key = {"LORA": "lora_path", "PREFIX_TUNING": "prefix_path"}.get(kind)
-    if not base or key is None:
-        raise ArgumentError(f"model_name_or_path={d!r} is an adapter directory ({kind}) without a usable "
-                            "base_model_name_or_path; give --model_name_or_path BASE --lora_path DIR")
-    a.model_name_or_path = base
-    setattr(a, key, d)
+    try:
+        got = found(a.model_name_or_path)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if got is not None:
+        d = a.model_name_or_path
+        a.model_name_or_path, key = got
+        setattr(a, key, d)
 
 
 def load_served_model(a):
     """(model, tokenizer, checkpoint dir, eos ids, pad id, max_length): the one place that loads,
-    with what predictor.py uses today (generation.load_for_generation)."""
-    from ..generation import checkpoint_defaults, load_for_generation
+    with what predictor.py uses (loading.load_for_generation)."""
+    from ..generation import checkpoint_defaults
+    from ..loading import load_for_generation, load_tokenizer
     from ..models import check_checkpoint, check_tokenizer, load_config, position_limit, resolve_model_path
-    from ..tokenizer import load_tokenizer
 
     adapter_base(a)
     path = resolve_model_path(a.model_name_or_path)

@@ -31,12 +31,14 @@ import fnmatch
 import itertools
 import json
 import os
+import shutil
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..io import publish_into, read_json, write_json
 from ..models import hf
+from . import checkpoint as ckpt
 from .checkpoint import CheckpointReader, list_checkpoints
 
 # a checkpoint's own files (version 2 and version 1): never written by the merge
@@ -178,7 +180,7 @@ def prepare(checkpoint, output=None, base=None, max_shard_size="5GB"):
     small JSON files, nothing is written. Raises ValueError / FileNotFoundError for people."""
     from .. import peft
     from ..models import build_model, load_config
-    from ..tokenizer import load_tokenizer
+    from ..loading import load_tokenizer
 
     reader = open_checkpoint(checkpoint)
     meta_path = os.path.join(checkpoint, "meta.json")
@@ -296,3 +298,30 @@ def merge_checkpoint(checkpoint, output=None, base=None, max_shard_size="5GB"):
     plan = prepare(checkpoint, output, base, max_shard_size)
     write(plan)
     return plan
+
+
+# ---------------------------------------------------------------- from the Trainer `t`
+def through_checkpoint(t, out_dir):
+    """Pipeline stages: no rank holds the whole model, so every rank writes its tensors in the
+    checkpoint format into a temp dir beside the output, and rank 0 merges that into one HF
+    model / HF-PEFT adapter (as llm/merge_tp_and_pp_params.py does)."""
+    tmp = os.path.join(out_dir, ".export-pieces")
+    model_pieces, _, _ = t.par.pieces(t.trainable, t.optimizer, ckpt)
+    ckpt.save_checkpoint(tmp, t.topo, model_pieces, [], {"global_step": t.state["global_step"]},
+                         writer=t.topo.dp_rank == 0, meta=t.checkpoint_meta)
+    if t.main:
+        merge_checkpoint(tmp, output=out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+    t.topo.barrier()
+
+
+def unified_checkpoint(t, path):
+    """unified_checkpoint: the checkpoint, read back whole, also written into itself as one HF
+    model / HF-PEFT adapter (as llm/merge_tp_and_pp_params.py does)."""
+    if t.checkpoint_meta is None:
+        from ..runtime import warn_once
+
+        warn_once("unified", "unified_checkpoint needs the run's checkpoint_meta (base model, "
+                  "model arguments), which this Trainer was not given: skipped")
+        return
+    merge_checkpoint(path)

@@ -101,8 +101,8 @@ def public_inputs(args=None, model=None, tokenizer=None, train_dataset=None, eva
     from ..data.collate import padding_collate
     from ..data.sft import DataError
     from ..generation import GenerationConfig
-    from ..models import load_model, resolve_model_path
-    from ..tokenizer import load_tokenizer
+    from ..loading import load_model, load_tokenizer
+    from ..models import resolve_model_path
     from .checkpoint import resume_path
 
     model_args, data_args, quant_args, gen_args, targs = arguments(args)

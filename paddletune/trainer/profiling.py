@@ -19,8 +19,8 @@ phase holds its kernels):
   optimizer      the rest of Trainer.training_step: gradient norm, clipping, AdamW, clearing
 step_ms is the step's wall time from the first read of its data to the end of training_step, so
 the phases add up to it but for the loop's bookkeeping between them (microseconds). Timing is by
-wrapping those methods on this Trainer instance (and its Topology / sharding / pipeline objects)
-for the run; detach removes the wrappers. Rank 0 writes every step's record to
+wrapping those methods on this Trainer instance (and its Topology and its parallel object's
+sharding / pipeline parts) for the run; detach removes the wrappers. Rank 0 writes every step's record to
 output_dir/profile_breakdown.jsonl and logs the mean of each logging interval; traces (every rank,
 rank<R>_time_<stamp>.paddle_trace.json: chrome://tracing, Perfetto) go to the plan's path.
 """
@@ -156,7 +156,7 @@ class Profiling:
             self._patch(t, name, phase)
         for attr, names in COMMUNICATION.items():   # one process: no collectives, 0 ms
             for name in names if t.topo.world_size > 1 else ():
-                self._patch(getattr(t, attr, None), name, "communication")
+                self._patch(t.topo if attr == "topo" else getattr(t.par, attr, None), name, "communication")
         t.callbacks.insert(0, self.after_step)   # first: later callbacks are not in the step
         if t.main:
             os.makedirs(t.args.output_dir, exist_ok=True)

@@ -26,9 +26,9 @@ from paddletune.alignment.args import ArgumentError, parse_args
 from paddletune.alignment.data import PackedPairSource, build_preference_datasets, padded_collate
 from paddletune.alignment.loss import AdapterOffReference, DPOLoss, FrozenReference, KTOLoss
 from paddletune.data import DataError
-from paddletune.models import check_checkpoint, check_tokenizer, load_config, load_model, resolve_model_path
+from paddletune.models import check_checkpoint, check_tokenizer, load_config, resolve_model_path
 from paddletune.parallel.plan import check_layout
-from paddletune.tokenizer import load_tokenizer
+from paddletune.loading import load_model, load_tokenizer
 from paddletune.trainer import Trainer
 from paddletune.trainer.checkpoint import resume_path, verify_checkpoint
 

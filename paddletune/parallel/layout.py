@@ -1,0 +1,336 @@
+"""The one parallel object the Trainer talks to: every axis of a run's layout behind one face.
+
+    par, trainable = Parallel.for_trainer(model, topo, args, trainable, has_own_loss)
+    par.begin_step(trainable); acc = par.backward(micro_batches, n_global, loss_fn, per_micro)
+    grads = par.reduce_grads(named, grads); norm = par.grad_norm(named, grads)
+    par.after_step(trainable); par.pieces(trainable, optimizer); par.export(...)
+
+It composes this package's helpers: tensor parallel (tensor.py: DTensor slices, vocabulary-
+parallel loss), pipeline stages (pipeline.py), expert parallel / MoE router statistics
+(expert.py), sharding stages 1-3 (sharding.py) and the data-parallel gradient sum
+(Topology.all_reduce_grads). An axis that is off is None here, and with every axis off (one
+process, or plain data parallel) each method is the single-device operation (plus the data-
+parallel sum). The bodies are the Trainer's former per-axis branches, moved unchanged.
+"""
+import contextlib
+
+import numpy as np
+import paddle
+
+from ..models.loss import hidden_loss_for
+
+
+class Parallel:
+    """This rank's layout for training. tp: tensor.TensorParallel; pp: pipeline.Pipeline (this
+    rank's stage); ep: expert.ExpertParallel (MoE on > 1 data rank); shard: sharding.Sharding;
+    each None when that axis is off."""
+
+    def __init__(self, model, topo, tp=None, pp=None, ep=None, shard=None):
+        self.model, self.topo = model, topo
+        self.tp, self.pp, self.ep, self.shard = tp, pp, ep, shard
+
+    @classmethod
+    def for_trainer(cls, model, topo, args, trainable, own_loss=False):
+        """(Parallel, trainable narrowed to what this rank trains). Drops other stages' / other
+        ranks' experts' parameters (and the adapters PEFT put there), places PEFT's new
+        parameters under tensor parallel, and builds the sharding of the optimizer state."""
+        pp = getattr(model, "pipeline", None)   # this rank's pipeline stage, or None
+        if pp is not None:   # drop the other stages' blocks (and the adapters PEFT put there)
+            trainable = {n: trainable[n] for n in pp.finalize(trainable)}
+        tp = getattr(model, "tensor_parallel", None)
+        # Mixture-of-Experts on >1 data rank (expert.py): router statistics over the data ranks;
+        # under expert parallel each rank holds its own experts
+        if (getattr(model.config, "moe", None) and topo.data_degree > 1
+                and getattr(model, "expert_parallel", None) is None):   # loaded without the topology
+            from .expert import install
+
+            install(model, topo)
+        ep = getattr(model, "expert_parallel", None)
+        if ep is not None:   # the other ranks' experts dropped (and PEFT's adapters on them)
+            from .expert import finalize
+
+            trainable = {n: trainable[n] for n in finalize(model, ep, trainable, args)}
+        if pp is not None and own_loss:
+            raise ValueError("this loss (R-Drop) runs two passes through the whole model, which has "
+                             "no pipeline-parallel form here; set pipeline_parallel_degree to 1")
+        if tp is not None:   # PEFT's new parameters placed; LoRA's collectives hooked
+            from . import tensor as tensor_parallel
+
+            tensor_parallel.finalize(model, tp)
+            params = dict(model.named_parameters())
+            trainable = {n: params[n] for n in trainable}
+        par = cls(model, topo, tp, pp, ep)
+        # sharding (sharding.py): each rank's optimizer holds only the tensors it owns
+        from .sharding import for_trainer
+
+        par.shard = for_trainer(args, topo, list(trainable.items()), par.local, model)
+        return par, trainable
+
+    # ---------------------------------------------------------------- tensors
+    def local(self, t):
+        """A DTensor's local shard (tensor parallel), else the tensor itself."""
+        return t._local_value() if self.tp is not None and t is not None and t.is_dist() else t
+
+    def grad(self, p):
+        """p's gradient as this rank holds it (zeros when it has none)."""
+        if p.grad is None:
+            return paddle.zeros(self.local(p).shape, p.dtype)
+        g = self.local(p.grad)
+        if not g._is_initialized():
+            # a DTensor gradient left without memory (a Mixture-of-Experts expert no token chose
+            # in this step under tensor parallel): zero, as an unused parameter's
+            return paddle.zeros(self.local(p).shape, p.dtype)
+        return g
+
+    def optimizer_params(self, trainable):
+        """(name, local tensor) pairs this rank's optimizer updates (sharding: the owned ones)."""
+        return ((n, self.local(p)) for n, p in trainable.items() if self.owns(n))
+
+    def owns(self, name):
+        return self.shard is None or self.shard.owns(name)
+
+    @property
+    def offload(self):
+        return self.shard is not None and self.shard.offload
+
+    # ---------------------------------------------------------------- one step
+    def after_setup(self, trainable):
+        if self.shard is not None:
+            self.shard.release(trainable)   # stage 3: non-owned values dropped between steps
+
+    def check_micro_batches(self, k, k_sum, k_sq):
+        if self.ep is not None and k_sum * k_sum != k_sq * self.topo.data_degree:
+            # (sum k)^2 = D sum k^2 only when every rank has the same k: each micro-batch's forward
+            # holds collectives over the data ranks, so every rank must run as many
+            raise ValueError(f"this step gives the data-parallel ranks different numbers of micro-"
+                             f"batches (this rank: {k}): a Mixture-of-Experts model on several data "
+                             "ranks needs equal ones; use dataloader_drop_last or a dataset size that "
+                             "is a multiple of the global batch")
+
+    def begin_step(self, trainable):
+        if self.shard is not None:   # stage 3: what is outside the blocks (these come one by one)
+            self.shard.begin_step(trainable)
+
+    def backward(self, micro_batches, n_global, keys, per_micro):
+        """The summed loss_sum of this rank's micro-batches: through the pipeline stages' 1F1B
+        schedule under PP, else per_micro(micro_batches) (the Trainer's forward + backward)."""
+        if self.pp is None:
+            return per_micro(micro_batches)
+        loss_of = hidden_loss_for(self.model)
+        tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in keys} for b in micro_batches]
+        acc = self.pp.train_step(tensors, lambda h, b: loss_of(self.model, h, b["labels"]), n_global)
+        return self.pp.sum_over_stages(acc)
+
+    def reduce_grads(self, trainable, named, grads):
+        """Gradients summed where ranks hold parts of one: replicated TP heads, a tied embedding
+        across stages, the data-parallel (or expert / sharding) group. Under sharding stage >= 2
+        a rank keeps only the gradients it owns (None elsewhere)."""
+        names = [n for n, _ in named]
+        if self.tp is not None:   # replicated key/value heads: their partial gradients summed
+            from .tensor import sum_replicated_grads
+
+            grads = sum_replicated_grads(self.model, named, grads, self.tp)
+        if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
+            grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
+        if self.shard is not None and self.shard.stage >= 2:
+            grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
+        elif self.ep is not None:   # experts' gradients over the ranks holding the same experts
+            grads = self.ep.reduce_grads(names, grads)
+        else:
+            grads = self.topo.all_reduce_grads(grads)
+        if self.shard is not None:   # stage2+: others' gradients dropped (an owner's are summed in
+            for n, g in zip(names, grads):   # place); stage1: the summed copies replace them
+                if g is None or self.shard.stage < 2:
+                    trainable[n].clear_gradient(False)
+        return grads
+
+    def grad_norm(self, named, grads):
+        """The whole model's gradient norm: TP slices summed over their ranks (replicated heads
+        and replicated tensors counted once), pipeline stages summed, a tied embedding once."""
+        # square, not ** 2 (paddle's CPU pow kernel is ~100x slower); one host read of the norm
+        # per step lets clipping scale in place with a python float (no temporaries)
+        squares = [paddle.square(g.astype("float32")).sum() if g is not None else paddle.zeros([], "float32")
+                   for g in grads]
+        if self.pp is not None:
+            squares = [s if self.pp.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
+        if self.ep is not None:   # each rank's experts are different ones: their parts summed
+            squares = self.ep.norm_squares([n for n, _ in named], squares)
+        if self.tp is None:
+            norm = paddle.sqrt(paddle.add_n(squares))
+        else:
+            from .tensor import global_grad_norm, is_split, replica_square_excess
+
+            held = [(x, g) for x, g in zip(named, grads) if g is not None]
+            norm = global_grad_norm(squares, [is_split(p) for _, p in named], self.tp,
+                                    replica_square_excess(self.model, [x for x, _ in held],
+                                                          [g for _, g in held], self.tp))
+        if self.pp is not None:
+            norm = paddle.sqrt(self.pp.sum_over_stages(paddle.square(norm)))
+        if self.shard is not None and self.shard.stage >= 2:   # each owner's part of the norm
+            norm = paddle.sqrt(self.shard.square_norm(paddle.square(norm)))
+        return norm
+
+    def before_update(self, trainable, grads, optimizer):
+        """What this rank holds under sharding, measured (tests assert the 1/S split): gradient
+        elements after the reduction, optimizer-state elements."""
+        if self.shard is None:
+            return
+        from .sharding import numel, resident_numel
+
+        left = resident_numel(self.local(p.grad) for n, p in trainable.items()
+                              if p.grad is not None and not self.shard.owns(n))   # others' gradients
+        self.shard.stats.update(
+            grad_numel=sum(numel(g) for g in grads if g is not None) if self.shard.stage >= 2
+            else sum(numel(g) for g in grads), grad_numel_left=left,
+            optimizer_numel=sum(numel(t) for d in (optimizer.exp_avg, optimizer.exp_avg_sq)
+                                for t in d.values()))
+
+    def after_step(self, trainable):
+        if self.shard is not None:   # owners' new values to the group (stage 3: released)
+            self.shard.after_step(trainable)
+
+    def after_training(self, trainable):
+        if self.shard is not None:   # stage 3: the whole model again, for export and the caller
+            self.shard.gather(trainable)
+
+    # ---------------------------------------------------------------- evaluation
+    @contextlib.contextmanager
+    def whole_for_eval(self, trainable):
+        released = self.shard is not None and self.shard.released
+        if released:   # stage 3 between steps: gathered for evaluation, released after
+            self.shard.gather(trainable)
+        yield
+        if released:
+            self.shard.release(trainable)
+
+    def eval_padding_batches(self, n_batches, n_mine):
+        """How many unused forwards this rank runs so every rank runs as many (the expert
+        dispatch is collective)."""
+        if self.ep is not None and self.ep.degree > 1 and n_batches:
+            return -(-n_batches // self.topo.data_degree) - n_mine
+        return 0
+
+    def eval_batch(self, batch, keys, forward):
+        if self.pp is None:
+            return forward(batch)
+        loss_of = hidden_loss_for(self.model)
+        tensors = {k: paddle.to_tensor(v) for k, v in batch.items() if k in keys}
+        return self.pp.eval_batch(tensors, lambda h, b: loss_of(self.model, h, b["labels"]))
+
+    def sum_over_stages(self, stats):
+        """The last stage's sums, to every stage (as they are without PP)."""
+        return stats if self.pp is None else self.pp.sum_over_stages(stats)
+
+    # ---------------------------------------------------------------- checkpoints
+    def writer(self):
+        """Whether this rank writes checkpoint pieces: the first data-parallel replica (expert
+        parallel: the first expert group, each rank its experts)."""
+        return self.ep.writer if self.ep is not None else self.topo.dp_rank == 0
+
+    def pieces(self, trainable, optimizer, ckpt):
+        """This rank's slices of the trainable tensors and their optimizer state, as checkpoint
+        pieces (full-model names, global boxes). Under TP a replicated tensor is written by the
+        first TP rank only; under PP each stage writes its own tensors (a tied embedding once)."""
+        tensors, meta = optimizer.state_dict()
+        if self.tp is None:
+            own = {n: p for n, p in trainable.items()
+                   if (self.pp is None or self.pp.counts_once(n)) and self.owns(n)
+                   and (self.ep is None or self.ep.writes(n))}
+            opt = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] in own}
+            return ckpt.whole(ckpt.arrays(own)), ckpt.whole(opt), meta
+        from .plan import param_split
+        from .tensor import box_pieces, is_split, real_shape
+
+        model_pieces, optim_pieces = [], []
+        for n, p in trainable.items():
+            if ((not is_split(p) and self.tp.rank != 0) or (self.pp is not None and not self.pp.counts_once(n))
+                    or not self.owns(n)):
+                continue
+            arrays = {n: self.local(p).numpy(), f"{n}.exp_avg": tensors[f"{n}.exp_avg"],
+                      f"{n}.exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
+            whole = real_shape(self.model, p, param_split(self.model.spec, self.model.config, n, list(p.shape)))
+            boxes = box_pieces(self.model, n, p, self.tp)
+            for key, arr in arrays.items():
+                out = model_pieces if key == n else optim_pieces
+                for i, (start, _, idx, shared) in enumerate(boxes):
+                    if self.tp.rank % shared:   # a replicated head: its first rank writes it
+                        continue
+                    out.append(ckpt.Piece(key, np.ascontiguousarray(arr[idx]), whole, start,
+                                          key if len(boxes) == 1 else f"{key}@{i}"))
+        return model_pieces, optim_pieces, meta
+
+    def read_local(self, reader, name, p, kind="model", key=None):
+        """This rank's slice of `key` (default `name`) from any layout's checkpoint."""
+        key = key or name
+        if self.tp is None:
+            return reader.read(key, kind)
+        from .tensor import box_pieces
+
+        out = np.zeros(self.local(p).shape, np.float32)
+        for start, shape, idx, _ in box_pieces(self.model, name, p, self.tp):
+            out[idx] = reader.read(key, kind, start, shape)
+        return out
+
+    def global_shape(self, name, p):
+        """The shape a checkpoint holds for parameter `p` (the whole tensor's)."""
+        want = list(p.shape)
+        if self.tp is None:
+            return want
+        from .plan import param_split
+        from .tensor import real_shape
+
+        return real_shape(self.model, p, param_split(self.model.spec, self.model.config, name, want))
+
+    # ---------------------------------------------------------------- export
+    def check_export(self, default_export):
+        if self.ep is not None and default_export:
+            from .expert import check_full_export
+
+            check_full_export(self.model, self.ep)   # every rank, before any step
+
+    def save_whole(self, out_dir, tokenizer, main):
+        """The default export: models.save_pretrained of the whole model (under TP the slices
+        gathered, a collective per tensor, on every rank; rank 0 writes)."""
+        from ..models import save_pretrained
+
+        if self.tp is None:
+            save_pretrained(self.model, out_dir, tokenizer=tokenizer)
+            return
+        from . import tensor as tensor_parallel
+
+        state = tensor_parallel.gathered_state(self.model, self.tp)   # a collective per tensor
+        if main:
+            save_pretrained(self.model, out_dir, tokenizer=tokenizer, state=state)
+        else:
+            for _ in state:
+                pass
+
+    def export(self, out_dir, export_fn, default_export, trainable, main, through_checkpoint):
+        """Write the final model: export_fn(out_dir) on the rank(s) that can. Pipeline stages
+        hold parts only: through_checkpoint(out_dir) merges them (None: no run description to
+        merge with, export_fn on rank 0 of what it holds)."""
+        if self.pp is not None and through_checkpoint is not None:
+            through_checkpoint(out_dir)
+        elif self.pp is not None:   # no run description to merge with: the caller's export only
+            from ..runtime import warn_once
+
+            warn_once("pp_export", "pipeline parallel without checkpoint_meta: the final model "
+                      "is not merged (each stage holds part of it); export_fn runs on rank 0")
+            if main:
+                export_fn(out_dir)
+        elif self.ep is not None and self.ep.degree > 1:   # every expert gathered to rank 0
+            from .expert import full_experts
+
+            with full_experts(self.model, self.ep, build=main):
+                if main:
+                    export_fn(out_dir)
+        elif self.tp is not None and default_export:
+            export_fn(out_dir)                 # every rank: the tensors are gathered
+        elif self.tp is not None:              # PEFT: the adapter's tensors gathered
+            from .tensor import full_params
+
+            with full_params(self.model, self.tp, list(trainable)):
+                if main:
+                    export_fn(out_dir)
+        elif main:
+            export_fn(out_dir)
