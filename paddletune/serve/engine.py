@@ -172,14 +172,16 @@ class BatchEngine:
         groups = {}
         for j, req in enumerate(rows):
             groups.setdefault(sampling_key(req.cfg), []).append(j)
+        def uniforms(idx):   # greedy rows draw nothing (no tensor to build each step)
+            if rows[idx[0]].cfg.decode_strategy != "sampling":
+                return None
+            return paddle.to_tensor(u[idx].reshape([-1, 1]), dtype="float32")
+
         if len(groups) == 1:
-            cfg = rows[0].cfg
-            uu = paddle.to_tensor(u.reshape([-1, 1]), dtype="float32")
-            return choose_tokens(logits, cfg, None, uu)
+            return choose_tokens(logits, rows[0].cfg, None, uniforms(list(range(len(rows)))))
         out = paddle.zeros([len(rows)], dtype="int64")
         for idx in groups.values():
             index = paddle.to_tensor(idx, dtype="int64")
-            uu = paddle.to_tensor(u[idx].reshape([-1, 1]), dtype="float32")
-            chosen = choose_tokens(paddle.gather(logits, index), rows[idx[0]].cfg, None, uu)
+            chosen = choose_tokens(paddle.gather(logits, index), rows[idx[0]].cfg, None, uniforms(idx))
             out = paddle.scatter(out, index, chosen.astype("int64"))
         return out
