@@ -194,7 +194,6 @@ def _wait_for(path, proc, timeout=240):
 
 
 def _start_launch(out, logs, steps):
-    from conftest import launch  # noqa: F401 - same port choice as the other launch tests
     import socket
 
     s = socket.socket()
