@@ -122,7 +122,7 @@ HOSTILE = {
                   "tokenizer_config.json chat_template", "Range too big"),
     "merges": (_merges, "tokenizer.json", "300000 BPE merges"),
     "overlap": (_overlap, "model.safetensors", "overlap in the safetensors header"),
-    "huge": (_huge, "config.json", "GiB per rank"),
+    "huge": (_huge, "config.json", "GiB) per rank"),
 }
 
 
@@ -194,7 +194,6 @@ def _wait_for(path, proc, timeout=240):
 
 
 def _start_launch(out, logs, steps):
-    from conftest import launch  # noqa: F401 - same port choice as the other launch tests
     import socket
 
     s = socket.socket()
@@ -507,3 +506,25 @@ def test_smaller_items(tmp_path, capsys, caplog, monkeypatch):
     assert len(ds) == 2
     assert f"1 of 2 pairs have a chosen answer equal to the rejected one (they teach nothing), e.g. " \
            f"{tmp_path}/dpo/train.jsonl:1" in caplog.text
+
+
+def test_fit_check_refuses_above_host_memory_and_warns_above_80_percent(monkeypatch, caplog):
+    """check_fits against a stated host size: weights x local ranks above it are refused (file,
+    key, value, bytes), above 80% warned, below that silent."""
+    from paddletune.models import load_config, resolve_model_path
+    from paddletune.models import memory
+
+    path = resolve_model_path("paddletune/tiny-llama")
+    _, cfg = load_config(path)
+    need = 3568128                       # the module docstring's worked example
+    monkeypatch.setenv("PADDLE_LOCAL_SIZE", "2")
+    caplog.set_level("WARNING", "paddletune")
+    monkeypatch.setattr(memory, "host_memory", lambda: 2 * need - 1)
+    with pytest.raises(MemoryError, match=rf"{path}/config.json: the model's weights \(num_hidden_layers=4\) "
+                                          r"take 3568128 bytes \(0.0 GiB\) per rank .* x 2 rank\(s\) on this host = 7136256 bytes"):
+        memory.check_fits(path, cfg)
+    monkeypatch.setattr(memory, "host_memory", lambda: int(2 * need / 0.9))
+    assert memory.check_fits(path, cfg) == 2 * need and "above 80% of this host" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(memory, "host_memory", lambda: 4 * need)
+    assert memory.check_fits(path, cfg) == 2 * need and caplog.text == ""

@@ -94,10 +94,10 @@ def check_fits(path, config, topology=None, quant=None):
         return need
     key, (value, _) = max(parts.items(), key=lambda kv: kv[1][1])
     says = (f"{os.path.join(path, 'config.json')}: the model's weights ({key}={value}) take "
-            f"{per_rank / 2**30:.1f} GiB per rank (tp {tp}, pp {pp}, ep {ep}, "
-            f"{algo or 'float32'}) x {ranks} rank(s) on this host = {need / 2**30:.1f} GiB")
+            f"{per_rank} bytes ({per_rank / 2**30:.1f} GiB) per rank (tp {tp}, pp {pp}, ep {ep}, "
+            f"{algo or 'float32'}) x {ranks} rank(s) on this host = {need} bytes ({need / 2**30:.1f} GiB)")
     if need > total:
-        raise MemoryError(f"{says}, more than this host's {total / 2**30:.1f} GiB of memory "
+        raise MemoryError(f"{says}, more than this host's {total} bytes ({total / 2**30:.1f} GiB) of memory "
                           "(the smaller of MemTotal and the cgroup limit): use more ranks per "
                           "model (tensor / pipeline parallel), weight-only quantization, or a "
                           "bigger machine; or the config.json is damaged")
