@@ -415,10 +415,10 @@ def _adapter_loads_in_peft_with_our_logits(out):
     assert np.abs(got - ref).max() <= 0.01 * np.abs(ref - ref_base).max()
 
 
-def test_readme_key_table_is_generated():
+def test_arguments_md_key_table_is_generated():
     from paddletune.alignment.args import markdown_table
 
-    text = open(os.path.join(ROOT, "README.md")).read()
+    text = open(os.path.join(ROOT, "docs", "arguments.md")).read()
     assert markdown_table() in text.split("<!-- ALIGNMENT-ARGS:BEGIN")[1].split("<!-- ALIGNMENT-ARGS:END")[0]
 
 
