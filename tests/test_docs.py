@@ -61,7 +61,7 @@ def run_file(rel, tmp_path):
         if reason is not None:
             continue
         r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, f"{rel}:{line} exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         outs.append(r.stdout)
     return outs

@@ -108,25 +108,22 @@ def test_chat_on_builtin_models_and_raw_text(caplog):
 
 
 # ------------------------------------------------------------------ 7: adapters name a local base
-def test_adapter_on_builtin_base_loads_offline_with_auto_peft(tmp_path):
+def test_adapter_on_builtin_base_names_it_portably_and_loads_in_peft(tmp_path):
+    """Issue 34 item 11: adapter_config.json names a built-in base by its portable name, not this
+    machine's cache path; peft loads the adapter on the resolved base, and paddletune's loaders
+    take the name as it is: predictor.py --lora_path DIR alone answers as with the base given."""
     import torch
-    from peft import AutoPeftModelForCausalLM
+    import transformers
+    from peft import PeftModel
 
     code, out = finetune(tmp_path, name="lora_argument.json")
     assert code == 0
     conf = json.load(open(os.path.join(out, "adapter_config.json")))
-    base = resolve_model_path("paddletune/tiny-llama")
-    assert conf["base_model_name_or_path"] == os.path.abspath(base) and os.path.isdir(base)
+    assert conf["base_model_name_or_path"] == "paddletune/tiny-llama"
     assert json.load(open(os.path.join(out, "paddletune_base_model.json"))) == {
         "paddletune_base_model": "paddletune/tiny-llama"}
-    env = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        model = AutoPeftModelForCausalLM.from_pretrained(out).eval()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("paddletune/tiny-llama"))
+    model = PeftModel.from_pretrained(base, out).eval()
     ids = [[1, 5, 9, 13, 21, 34]]
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.numpy()
@@ -134,6 +131,13 @@ def test_adapter_on_builtin_base_loads_offline_with_auto_peft(tmp_path):
 
     ours, _, _ = load_for_generation("paddletune/tiny-llama", lora_path=out)
     assert rel_err(ours(paddle.to_tensor(ids)).logits.numpy(), ref) < 1e-4
+    # issue 34 item 8: predictor.py --lora_path DIR alone takes the base the adapter names
+    greedy = ["--decode_strategy", "greedy_search", "--max_length", "6"]
+    code, alone = predictor(["--lora_path", out] + greedy, [])
+    code2, both = predictor(["--model_name_or_path", "paddletune/tiny-llama", "--lora_path", out] + greedy, [])
+    assert code == code2 == 0 and len(alone) >= 2
+    assert [json.loads(l)["output"] for l in alone if l.startswith("{")] == [
+        json.loads(l)["output"] for l in both if l.startswith("{")]
 
 
 # ------------------------------------------------------------------ 8: ChatGLM2 -> transformers GLM
@@ -529,3 +533,28 @@ def test_merge_tool_takes_output_dir_and_merges_lora_in_one_step(tmp_path, capsy
         if name in got:
             assert rel_err(got[name], t.detach().to(torch.float32).numpy()) < 1e-5, name
     assert set(got) >= {n for n in ref if not n.endswith("lm_head.weight")}
+
+
+# ------------------------------------------------------------------ issue 34, 8: chat history said, limited
+def test_chat_says_it_carries_history_and_max_history_turns_limits_it(capsys):
+    """--chat says once whether answers see earlier turns; --max_history_turns 0 answers every
+    line as if asked first (the oracle: the same line after /reset); -2 is refused."""
+    base = ["--model_name_or_path", "paddletune/tiny-llama", "--decode_strategy", "greedy_search",
+            "--max_length", "6", "--chat"]
+    a, b, c = "Count the words: apple", "Sort the words: river apple", "Uppercase: stone"
+
+    def chat(extra, lines):
+        code, out = predictor(base + extra, lines)
+        return code, [l for l in out if not l.startswith("generated ")]
+    code, alone = chat(["--max_history_turns", "0"], [a, b, c])
+    said = capsys.readouterr()
+    assert code == 0 and "each line is answered alone" in said.out + said.err
+    code, fresh = chat([], [a, "/reset", b, "/reset", c])
+    said = capsys.readouterr()
+    assert code == 0 and alone == [fresh[0], fresh[2], fresh[4]]
+    assert "each answer sees all the earlier turns" in said.out + said.err
+    code, one = chat(["--max_history_turns", "1"], [a, b, c])
+    said = capsys.readouterr()
+    assert code == 0 and len(one) == 3 and one[0] == fresh[0] and "up to 1 earlier turns" in said.out + said.err
+    code, _ = chat(["--max_history_turns", "-2"], [a])
+    assert code == 2
