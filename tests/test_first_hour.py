@@ -558,3 +558,23 @@ def test_chat_says_it_carries_history_and_max_history_turns_limits_it(capsys):
     assert code == 0 and len(one) == 3 and one[0] == fresh[0] and "up to 1 earlier turns" in said.out + said.err
     code, _ = chat(["--max_history_turns", "-2"], [a])
     assert code == 2
+
+
+def test_predictor_scores_rows_with_tgt(tmp_path):
+    """--data_file rows with a tgt: exact match / BLEU-4 / ROUGE-L printed at the end, equal to the
+    hand count (exact) and to trainer/metrics.py on the printed outputs; rows without tgt are
+    not scored."""
+    from paddletune.trainer.metrics import generation_metrics
+
+    rows = [{"src": "Count the words: apple", "tgt": "1"}, {"src": "Uppercase: stone", "tgt": "STONE"},
+            {"src": "Reverse the words: a b"}]
+    (tmp_path / "dev.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = predictor(["--model_name_or_path", "paddletune/tiny-llama", "--decode_strategy", "greedy_search",
+                           "--max_length", "4", "--data_file", str(tmp_path / "dev.json")], [])
+    assert code == 0
+    outputs = [json.loads(l)["output"] for l in out if l.startswith("{")]
+    line = [l for l in out if l.startswith("metrics on")]
+    exact = sum(o.strip() == r["tgt"] for o, r in zip(outputs, rows[:2])) / 2
+    m = generation_metrics(outputs[:2], ["1", "STONE"])
+    assert line == [f"metrics on 2 rows with a tgt: exact match {exact:.4f}, BLEU-4 {m['bleu4']:.4f}, "
+                    f"ROUGE-L {m['rougel']:.4f}"], out
