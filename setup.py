@@ -17,6 +17,7 @@ setup(
         "jinja2",
         "jsonlines",
         "tqdm",
+        "pyyaml",   # YAML argument files (paddletune/args.py:read_yaml)
     ],
     extras_require={
         # paddle comes from exactly one of these; both cannot be required at once.

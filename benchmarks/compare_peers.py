@@ -5,7 +5,7 @@ data, each peer in its own process, runs alternating, medians reported in one ta
     python benchmarks/compare_peers.py [--steps 5] [--warmup 2] [--runs 3] [--modes lora,lora-sft,full]
                                        [--peers paddletune,paddleformers,hf] [--env same|defaults] [--smoke]
 
-Configuration (DESIGN.md section 5): Llama, 4 layers, hidden 256, 8 heads, intermediate 688,
+Configuration (docs/design.md section 5): Llama, 4 layers, hidden 256, 8 heads, intermediate 688,
 vocab 32000, sequence 256, batch 4; AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), lr
 --lr, global-norm clipping 1.0, fp32. Every peer loads one HF safetensors checkpoint written here
 (seeded N(0, 0.02)), so step-1 losses agree; LoRA A matrices are random per library.

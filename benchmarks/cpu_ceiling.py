@@ -8,7 +8,7 @@
    (2048^3) square and on the step's own shapes (MLP up and down, LM head forward and its input
    gradient: [tokens, vocab] x [vocab, hidden]). The ceiling is the best paddle rate.
 2. The step: benchmarks/peers/paddletune_train.py (with --peers, the other peers' scripts too) on
-   the DESIGN.md section 5 model, as compare_peers.py runs it; achieved = needed FLOPs / step time.
+   the docs/design.md section 5 model, as compare_peers.py runs it; achieved = needed FLOPs / step time.
 
 Needed FLOPs (`step_flops`) count matmuls only, and only those the step cannot avoid: per token
 and Linear (in, out) 2*in*out forward, 2*in*out for the input gradient unless nothing upstream

@@ -1,4 +1,4 @@
-"""Training throughput and peak RSS for the DESIGN.md section 5 configuration, with and without the
+"""Training throughput and peak RSS for the docs/design.md section 5 configuration, with and without the
 CPU runtime tuning (threads = physical cores, MKL_DEBUG_CPU_TYPE=5 on AMD, heap reuse in malloc).
 
     python benchmarks/train_throughput.py [--steps 6] [--warmup 2] [--method full|lora] [--smoke]

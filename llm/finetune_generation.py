@@ -62,8 +62,9 @@ def prepare(argv=None):
             raise ArgumentError(f"export_format={args.export_format} converts full models and LoRA "
                                 f"adapters; {peft.selected(model_args)} adapters keep their own format")
     train_ds, dev_ds = build_datasets(data_args, tok, do_train=args.do_train, do_eval=args.do_eval)
-    check_positions(*position_limit(config), data_args.max_length, (train_ds, dev_ds),
-                    os.path.join(model_path, "config.json"))
+    limit, scaled, learned = position_limit(config)
+    check_positions(limit, scaled, data_args.max_length, (train_ds, dev_ds),
+                    os.path.join(model_path, "config.json"), learned=learned)
     return model_args, data_args, quant_args, gen_args, args, model_path, tok, train_ds, dev_ds
 
 

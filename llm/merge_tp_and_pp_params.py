@@ -1,8 +1,11 @@
 """Write a training checkpoint, whatever parallel layout wrote it, as ONE Hugging Face directory.
 
     python llm/merge_tp_and_pp_params.py --model_name_or_path ./checkpoints/llama_sft_ckpts/checkpoint-100
+    python llm/merge_tp_and_pp_params.py --model_name_or_path ./checkpoints/llama_lora_ckpts --merge_lora true
+    # --model_name_or_path           a checkpoint-N, or an output_dir (its newest checkpoint, said)
     # --output_path DIR              where to write (default: into the checkpoint directory itself)
     # --base_model_name_or_path B    the base model (default: the one meta.json records)
+    # --merge_lora true              a LoRA checkpoint: write base + adapter as one full HF model
 
 A checkpoint-N directory holds the trainable tensors only, sliced per tensor-parallel rank (or
 split by pipeline stage): model_state-RRRRR.safetensors + shards.json, with meta.json naming the
@@ -16,8 +19,11 @@ Full models are streamed one tensor at a time. Bad input: one `error:` line, exi
 anything is written. The logic lives in paddletune/trainer/export.py.
 """
 import argparse
+import logging
 import os
+import shutil
 import sys
+import tempfile
 
 try:
     import paddletune  # noqa: F401
@@ -34,7 +40,7 @@ def parse(argv=None):
                                 epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--model_name_or_path", required=True, help="the training checkpoint directory "
                    "(output_dir/checkpoint-N, written by llm/finetune_generation.py under any "
-                   "tensor-/pipeline-parallel layout)")
+                   "tensor-/pipeline-parallel layout), or the output_dir (its newest checkpoint)")
     p.add_argument("--output_path", default=None, help="output directory (default: the checkpoint "
                    "directory itself, PaddleNLP's habit; its checkpoint files are never replaced)")
     p.add_argument("--base_model_name_or_path", default=None, help="base HF model directory or a "
@@ -47,6 +53,9 @@ def parse(argv=None):
     p.add_argument("--export_format", default="hf", choices=["hf", "glm"], help="hf: the model "
                    "family's layout (default); glm: ChatGLM2/3 as transformers' native "
                    "GlmForCausalLM (full models and LoRA adapters; paddletune/models/glm_export.py)")
+    p.add_argument("--merge_lora", default="false", choices=["true", "false"], help="LoRA "
+                   "checkpoints: merge the adapter into the base and write one full HF model "
+                   "(llm/merge_lora_params.py in the same step)")
     p.add_argument("--device", default="cpu", help="accepted for PaddleNLP compatibility (cpu, gpu, "
                    "gpu:N); the merge streams through host memory either way")
     return p.parse_args(argv)
@@ -64,21 +73,57 @@ def main(argv=None):
     from paddletune.models import glm_export
 
     try:
-        plan = prepare(a.model_name_or_path, a.output_path, a.base_model_name_or_path, a.max_shard_size)
+        checkpoint = newest_checkpoint(a.model_name_or_path)
+        merged_out = a.output_path or checkpoint
+        if a.merge_lora == "true":   # the adapter goes to a temp dir beside the output, then merged
+            a.output_path = tempfile.mkdtemp(prefix=".adapter-", dir=os.path.dirname(os.path.abspath(merged_out)))
+        plan = prepare(checkpoint, a.output_path, a.base_model_name_or_path, a.max_shard_size)
+        if a.merge_lora == "true" and plan.method != "lora":
+            raise ValueError(f"--merge_lora true merges LoRA checkpoints; {checkpoint} is "
+                             f"{'a ' + plan.method + ' adapter' if plan.method else 'a full model already'}")
         if a.export_format != "hf":
             glm_export.check_format(a.export_format, plan.model.config.model_type, "--export_format")
             if plan.method not in (None, "lora"):
                 raise ValueError(f"--export_format {a.export_format} converts full models and LoRA "
                                  f"adapters; a {plan.method} adapter keeps its own format")
     except (ValueError, FileNotFoundError) as e:
+        if a.merge_lora == "true" and a.output_path and os.path.basename(a.output_path).startswith(".adapter-"):
+            shutil.rmtree(a.output_path, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = write(plan)
+    if a.merge_lora == "true":
+        out = merge_adapter(out, merged_out, plan.base)
     if a.export_format != "hf":
         glm_export.export_as(out, a.export_format, plan.model.config.to_dict(), a.max_shard_size)
-    what = f"{plan.method} adapter" if plan.method else "model"
-    print(f"{what} of {a.model_name_or_path} saved to {os.path.abspath(out)}")
+    what = f"{plan.method} adapter" if plan.method and a.merge_lora != "true" else "model"
+    print(f"{what} of {checkpoint} saved to {os.path.abspath(out)}")
     return 0
+
+
+def newest_checkpoint(path):
+    """path itself when it is a checkpoint-N; an output_dir: its newest complete checkpoint, said."""
+    from paddletune.trainer.checkpoint import list_checkpoints
+
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path   # a checkpoint (or a bad path, which prepare() names)
+    found = list_checkpoints(path)
+    if not found:
+        return path
+    logging.getLogger("paddletune").info("%s is an output_dir: taking its newest checkpoint, %s",
+                                         path, os.path.basename(found[-1]))
+    return found[-1]
+
+
+def merge_adapter(adapter_dir, out, base):
+    """The adapter just written (a temp dir) merged into its base as a full HF model at `out`."""
+    from paddletune import peft
+
+    try:
+        peft.merge_lora(adapter_dir, out, base)
+    finally:
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+    return out
 
 
 if __name__ == "__main__":

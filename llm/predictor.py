@@ -48,6 +48,7 @@ class PredictorArgument:
     prefix_path: Optional[str] = F(None, "prefix-tuning directory applied on the model")
     chat_template: Optional[str] = F(None, "chat template: a built-in name, a .jinja / chat_template.json file, a directory holding chat_template.json, or 'none' for raw src; default: the checkpoint's")
     chat: bool = F(False, "interactive multi-turn chat on stdin/stdout with history ('/reset' clears, '/exit' ends)")
+    max_history_turns: int = F(-1, "--chat: earlier turns (question + answer) each answer sees: -1 = all that fit src_length (oldest dropped first), 0 = none (each line alone)")
     data_file: Optional[str] = F(None, "JSON lines with \"src\" (and optional \"tgt\"); default: two built-in prompts")
     output_file: Optional[str] = F(None, "where JSON lines {src, tgt, output} go (default: stdout)")
     batch_size: int = F(1, "prompts generated together (left padding)")
@@ -150,6 +151,27 @@ def adapter_as_model(a):
         a.model_name_or_path = found[0]
 
 
+def base_from_adapter(a):
+    """--lora_path / --prefix_path DIR without --model_name_or_path: the base the adapter names
+    (adapter_config.json's base_model_name_or_path, or the built-in it records), as
+    llm/merge_lora_params.py finds it."""
+    adapter = a.lora_path or a.prefix_path
+    if a.model_name_or_path or not adapter:
+        return
+    conf_path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(conf_path):
+        raise ArgumentError(f"{adapter} has no adapter_config.json to name its base; give --model_name_or_path BASE")
+    from paddletune.peft.merge import resolve_base
+
+    with open(conf_path) as f:
+        conf = json.load(f)
+    try:
+        a.model_name_or_path = resolve_base(adapter, conf)
+    except (ValueError, FileNotFoundError) as e:
+        raise ArgumentError(f"{e}; give --model_name_or_path BASE") from None
+    logging.getLogger("paddletune").info("base model from %s: %s", conf_path, a.model_name_or_path)
+
+
 def check(a):
     """Everything that can be checked without the model; returns (model dir, tokenizer, rows)."""
     from paddletune.generation import GenerationConfig
@@ -157,8 +179,11 @@ def check(a):
     from paddletune.outdir import check_writable_file
     from paddletune.loading import load_tokenizer
 
+    base_from_adapter(a)
     if not a.model_name_or_path:
         raise ArgumentError("'model_name_or_path' is required (a checkpoint directory or a built-in name)")
+    if a.max_history_turns < -1:
+        raise ArgumentError(f"'max_history_turns' must be -1 (all), 0 (none) or a number of turns, got {a.max_history_turns}")
     for key in ("batch_size", "src_length", "max_length"):
         if getattr(a, key) <= 0:
             raise ArgumentError(f"'{key}' must be positive, got {getattr(a, key)}")
@@ -236,6 +261,7 @@ def chat_loop(a, model, tok, cfg, stdin, stdout):
     from paddletune.text_generation import encode_prompt
 
     history, tokens, seconds = [], 0, 0.0
+    keep = history_turns(a, tok)
     if stdin.isatty():
         print("chat: type a message; /reset clears the history, /exit ends", file=stdout, flush=True)
     for line in stdin:
@@ -248,7 +274,8 @@ def chat_loop(a, model, tok, cfg, stdin, stdout):
             continue
         if not text.strip():
             continue
-        msgs = history + [{"role": "user", "content": text}]
+        msgs = (history[-2 * keep:] if keep > 0 else [] if keep == 0 else history) + [
+            {"role": "user", "content": text}]
         # --chat_template none: each line is raw text for the model (no template, no history)
         prompt = (encode_prompt(tok, msgs, True, a.src_length) if tok.template is not None
                   else encode_prompt(tok, text, False, a.src_length))
@@ -258,6 +285,20 @@ def chat_loop(a, model, tok, cfg, stdin, stdout):
         print(reply.replace("\n", " "), file=stdout, flush=True)
         history = msgs + [{"role": "assistant", "content": reply}]
     return tokens, seconds
+
+
+def history_turns(a, tok):
+    """Earlier turns each chat answer sees (-1: all that fit), said once, since a model trained on
+    single turns (the built-ins' plain template) answers differently with earlier turns before."""
+    keep = a.max_history_turns if tok.template is not None else 0
+    log = logging.getLogger("paddletune")
+    if keep == 0:
+        log.info("chat: each line is answered alone, without earlier turns%s",
+                 " (--chat_template none)" if tok.template is None else " (--max_history_turns 0)")
+    else:
+        log.info("chat: each answer sees %s earlier turns (--max_history_turns N to limit, 0 for none; "
+                 "/reset clears them)", "all the" if keep < 0 else f"up to {keep}")
+    return keep
 
 
 def predict(a, model, tok, cfg, rows):
@@ -274,6 +315,27 @@ def predict(a, model, tok, cfg, rows):
         tokens, seconds = tokens + out.num_new_tokens, seconds + out.seconds
         records += [{"src": s, "tgt": t, "output": o} for (s, t), o in zip(chunk, out.texts)]
     return records, tokens, seconds
+
+
+def reference_metrics(records):
+    """'metrics on N rows with a tgt: exact match E, BLEU-4 B, ROUGE-L R' for the rows whose tgt
+    is the reference answer (a string; for a list of rounds, its entry for the last round), or
+    None. Exact match compares stripped strings; BLEU-4 (corpus) and ROUGE-L F1 are
+    trainer/metrics.py's, on lower-cased words (each CJK character a word)."""
+    from paddletune.trainer.metrics import generation_metrics
+
+    pairs = []
+    for r in records:
+        t = r["tgt"]
+        ref = t[-1] if isinstance(t, list) and isinstance(r["src"], list) and len(t) == len(r["src"]) else t
+        if isinstance(ref, str) and ref.strip():
+            pairs.append((r["output"], ref))
+    if not pairs:
+        return None
+    m = generation_metrics([p for p, _ in pairs], [g for _, g in pairs])
+    exact = sum(p.strip() == g.strip() for p, g in pairs) / len(pairs)
+    return (f"metrics on {len(pairs)} rows with a tgt: exact match {exact:.4f}, BLEU-4 {m['bleu4']:.4f}, "
+            f"ROUGE-L {m['rougel']:.4f}")
 
 
 @cli.entry   # errors anywhere below: one `error:` line, exit 2 (PADDLETUNE_DEBUG=1: traceback)
@@ -322,6 +384,9 @@ def main(argv=None, stdin=None, stdout=None):
         else:
             for r in records:
                 print(json.dumps(r, ensure_ascii=False), file=stdout)
+        scores = reference_metrics(records)
+        if scores:
+            print(scores, file=stdout)
     wall = time.perf_counter() - t0
     print(f"generated {tokens} tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
           f"(wall {wall:.2f} s)", file=stdout, flush=True)

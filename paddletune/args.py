@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -120,7 +121,7 @@ class ModelArgument:
 
 @dataclass
 class DataArgument:
-    dataset_name_or_path: str = F(None, "directory with train.json/dev.json (or train/*.json, dev/*.json) JSON lines {src, tgt} or {messages}, or the built-in paddletune/sample-sft")
+    dataset_name_or_path: str = F(None, "directory with train.json/dev.json (or .jsonl, or train/*.json, dev/*.json) JSON lines {src, tgt} or {messages}, one such .json / .jsonl file (train and dev both), or the built-in paddletune/sample-sft")
     task_name: Optional[str] = F(None, "sub-task of a dataset collection", "no_effect", "datasets are read from dataset_name_or_path")
     src_length: int = F(1024, "max tokens of the source (prompt); cut from the left")
     max_length: int = F(2048, "max tokens of source + target; the target is cut from the right")
@@ -392,7 +393,7 @@ JOBS = (
      ("normalize_score_during_training", "normalizer_type", "normalizer_momentum", "regularization",
       "train_datasets", "eval_datasets")),
     ("DPO / SimPO preference alignment", "llm/alignment/dpo/run_dpo.py",
-     "paddletune has no run_dpo.py yet",
+     "paddletune runs them with its own llm/alignment/dpo/run_dpo.py",
      ("beta", "simpo_gamma", "loss_type", "label_smoothing", "reference_free", "ref_model_update_steps",
       "train_dataset_path", "dev_dataset_path", "max_seq_len", "max_prompt_len")),
     ("pre-training", "llm/run_pretrain.py", "paddletune runs them with its own llm/run_pretrain.py",
@@ -404,7 +405,8 @@ JOBS = (
 )
 # the same preference-data keys serve PaddleNLP's KTO and flash-mask reward-model scripts; the
 # file's name tells them apart (kto_argument.json, rm_flashmask_argument.json, flashmask/rm.json)
-KTO_JOB = ("KTO preference alignment", "llm/alignment/kto/run_kto.py", "paddletune has no run_kto.py yet")
+KTO_JOB = ("KTO preference alignment", "llm/alignment/kto/run_kto.py",
+           "paddletune runs them with its own llm/alignment/kto/run_kto.py")
 RM_JOB = ("reward model training", "llm/alignment/rm/flashmask/run_reward.py",
           "paddletune has no reward-model script")
 
@@ -446,8 +448,8 @@ def refused_error(refused, sources):
 
 
 def help_text():
-    lines = ["usage: python llm/finetune_generation.py ARGS.json [--key value ...]", "",
-             "One JSON argument file (PaddleNLP key names), then overrides. Keys:"]
+    lines = ["usage: python llm/finetune_generation.py ARGS.json|ARGS.yaml [--key value | key=value ...]", "",
+             "One JSON or YAML argument file (PaddleNLP key names), then overrides. Keys:"]
     for cls in CLASSES:
         lines.append(f"\n{cls.__name__}:")
         for f in dataclasses.fields(cls):
@@ -501,30 +503,30 @@ def parse_args(argv=None, warn=None):
 
 
 def read_argv(argv, is_bool_key):
-    """({key: raw value}, {key: where it came from}) from [ARGS.json] [--key value | --key=value |
-    --flag ...]; the command line overrides the file. Used by every script of this project."""
+    """({key: raw value}, {key: where it came from}) from [ARGS.json | ARGS.yaml] [--key value |
+    --key=value | key=value | --flag ...]; the command line overrides the file. Used by every script
+    of this project. key=value splits on the first '=' only (a value may hold '=')."""
     argv = list(argv)
     values, sources = {}, {}
-    if argv and not argv[0].startswith("--"):
+    if argv and not argv[0].startswith("--") and "=" not in argv[0]:
         path = argv.pop(0)
-        if not path.endswith(".json"):
-            raise ArgumentError(f"the first argument must be a .json argument file, got {path!r}")
+        if not path.endswith((".json", ".yaml", ".yml")):
+            raise ArgumentError(f"the first argument must be a .json or .yaml argument file, got {path!r}")
         if not os.path.isfile(path):
             raise ArgumentError(f"argument file not found: {path} (working directory {os.getcwd()})")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh, object_pairs_hook=_no_duplicate_keys(path))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArgumentError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ArgumentError(f"{path}: must hold one JSON object of key: value pairs")
+        data = read_yaml(path, is_bool_key) if path.endswith((".yaml", ".yml")) else _read_json(path)
         for k, v in data.items():
             values[k], sources[k] = v, path
     i = 0
     while i < len(argv):
         a = argv[i]
+        if not a.startswith("--") and "=" in a:   # key=value (split on the first '=' only)
+            k, v = a.split("=", 1)
+            values[k], sources[k] = v, "command line"
+            i += 1
+            continue
         if not a.startswith("--"):
-            raise ArgumentError(f"command line: expected --key value, got {a!r}")
+            raise ArgumentError(f"command line: expected --key value or key=value, got {a!r}")
         if "=" in a:
             k, v = a[2:].split("=", 1)
             i += 1
@@ -538,6 +540,58 @@ def read_argv(argv, is_bool_key):
                 i += 2
         values[k], sources[k] = v, "command line"
     return values, sources
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh, object_pairs_hook=_no_duplicate_keys(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ArgumentError(f"{path}: must hold one JSON object of key: value pairs")
+    return data
+
+
+# YAML 1.1 (PyYAML) reads a plain 010 as octal 8 (and 0o10, 0x10 as 8, 16): the digits a reader sees
+# are not the value; refused by key instead of silently changed
+_YAML_RADIX = re.compile(r"[-+]?(0[0-7_]+|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)")
+
+
+def read_yaml(path, is_bool_key):
+    """{key: value} of a YAML argument file with the keys of the JSON ones. Values then go through
+    the same typed parser as JSON; PyYAML's YAML 1.1 surprises are settled here, by key:
+    `1e-5` (no dot) stays the string "1e-5", which a float key accepts; a plain yes/no/on/off
+    (a boolean to YAML 1.1) in a key that is not boolean, and 010 / 0x10 (octal / hex to YAML),
+    are errors naming the key and how to write it; a key given twice is an error."""
+    try:
+        import yaml
+    except ImportError:
+        raise ArgumentError(f"{path}: YAML argument files need PyYAML: pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loader = yaml.SafeLoader(fh.read())
+        root = loader.get_single_node()
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise ArgumentError(f"{path}: must hold one YAML mapping of key: value pairs")
+    out = {}
+    for key_node, node in root.value:
+        k = loader.construct_object(key_node, deep=True)
+        if k in out:
+            raise ArgumentError(f"{path}: key '{k}' is given twice; keep one")
+        plain = isinstance(node, yaml.ScalarNode) and node.style is None
+        if plain and node.tag.endswith(":bool") and not is_bool_key(k):
+            raise ArgumentError(f"{path}: '{k}: {node.value}' is the boolean "
+                                f"{node.value.lower() in ('yes', 'y', 'true', 'on')} to YAML, but '{k}' "
+                                f"is not a true/false key; quote the value ('{node.value}') if it is text")
+        if plain and node.tag.endswith(":int") and _YAML_RADIX.fullmatch(node.value):
+            raise ArgumentError(f"{path}: '{k}: {node.value}' is read by YAML as the number "
+                                f"{loader.construct_object(node)} (octal / hex); write it without the "
+                                f"leading zero, or quote it ('{node.value}') if it is text")
+        out[k] = loader.construct_object(node, deep=True)
+    return out
 
 
 def _no_duplicate_keys(path):

@@ -118,7 +118,7 @@ def reuse_freed_memory():
     returns them with munmap, so each new activation, gradient or optimizer temporary of a training
     step page-faults its memory in again. Measured on the 2-core dev machine (paddle 3.3.1): an add
     of two [1024, 688] tensors 1.25 -> 0.29 ms, softmax [4, 8, 256, 256] 10.7 -> 2.5 ms; the
-    DESIGN.md section 5 full fine-tune step +28% tokens/s (benchmarks/README.md). Freed memory
+    docs/design.md section 5 full fine-tune step +28% tokens/s (benchmarks/README.md). Freed memory
     stays in the process for reuse, so this is switched on when training starts (Trainer), not at
     import: loading a model (quantizing tensor by tensor) keeps glibc's default and its low peak.
     PADDLETUNE_MALLOC=default opts out. Returns what was chosen (None: left as it is); runs once
@@ -147,7 +147,7 @@ def prefer_copies(choices):
     """Turn off paddle's strided views (FLAGS_use_stride_kernel) on CPU-only builds, unless the user
     set that flag. With views on, transpose/slice return strided tensors, and the next matmul or
     reshape makes them contiguous with paddle's generic strided-copy kernel: the attention of the
-    DESIGN.md section 5 Llama (q/k/v transposed to [B, heads, S, D]) took 40 ms fwd + bwd per layer
+    docs/design.md section 5 Llama (q/k/v transposed to [B, heads, S, D]) took 40 ms fwd + bwd per layer
     instead of 16, the LoRA step 0.50 -> 0.41 s (benchmarks/README.md). Copies cost memory only for
     a moment. Set here, at import (paddle.set_flags, not the environment: child processes such as
     other libraries' benchmark peers keep paddle's default). Returns `choices` (RuntimeChoices)

@@ -92,10 +92,18 @@ def test_data_parallel_launch_rank0_writes(tmp_path):
     from conftest import launch
 
     out = tmp_path / "out"
-    r = launch([SCRIPT, SFT, "--output_dir", str(out)] + ["--max_steps", "3"] + QUICK[2:], nproc=2, log_dir=tmp_path / "log")
+    r = launch([SCRIPT, SFT, "--output_dir", str(out)] + ["--max_steps", "3"] + QUICK[2:-2] + ["--disable_tqdm", "false"],
+               nproc=2, log_dir=tmp_path / "log")
     logs = {k: open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)}
     assert r.returncode == 0, logs[0][-3000:] + logs[1][-3000:]
     assert "data-parallel ranks = 2, global batch = 8" in logs[0]
+    # issue 34 item 7: the layout by name; no tqdm bar in a log file (rank 0 logs a progress line
+    # per logging interval instead, rank 1 nothing), no carriage returns, no blank lines
+    assert "layout = tensor 1 x pipeline 1 x data 2 x sharding 1 = 2 process(es)" in logs[0]
+    assert [l.split(" steps")[0].split("INFO ")[-1] for l in logs[0].splitlines() if "progress:" in l] == [
+        "progress: 1/3", "progress: 2/3", "progress: 3/3"]
+    assert "progress:" not in logs[1] and "\r" not in logs[0] + logs[1]
+    assert "" not in logs[0].splitlines(), [i for i, l in enumerate(logs[0].splitlines()) if not l]
     assert "model saved to" in logs[0] and "model saved to" not in logs[1]
     log = [l for l in open(out / "train_log.jsonl")]
     assert len([l for l in log if '"loss"' in l]) == 3     # one writer: no duplicated lines

@@ -290,9 +290,7 @@ def _copy(src, dst, drop=(), meta=None):
 
 
 BAD = {   # name -> (argv from (checkpoints, tmp_path), message)
-    "output_dir_not_checkpoint": (lambda c, t: ["--model_name_or_path", os.path.dirname(c["full"])],
-                                  "is not a training checkpoint (no trainer_state.json); it holds "
-                                  "checkpoints, e.g. the latest"),
+    # an output_dir is taken (its newest checkpoint, issue 34): tests/test_first_hour.py
     "checkpoint_is_file": (lambda c, t: ["--model_name_or_path", os.path.join(c["full"], "shards.json")],
                            "is a file"),
     "no_meta_no_base": (lambda c, t: ["--model_name_or_path", _copy(c["full"], t / "ck", ["meta.json"])],

@@ -1,4 +1,4 @@
-"""Pipeline parallel = one process (PARALLEL_NOTES.md acceptance rules): PP=2 on 2 launched ranks
+"""Pipeline parallel = one process (docs/parallel.md: how a parallel result is accepted): PP=2 on 2 launched ranks
 and TP2 x PP2 on 4, each launch running all its cases (tests/launch_cases.py); the reference is the
 same function in this process at the same global batch. Models with a layer count that does not
 divide (3 blocks on 2 stages), variable-length data (padded and packed rows), clipping active,

@@ -152,8 +152,6 @@ CASES = {
     "eval_steps_zero": (lambda t, b: (["--eval_steps", "0"], None), "'eval_steps' must be positive", True),
     "duplicate_key": (lambda t, b: ([_args_file(t, open(SFT).read().replace('"seed": 42', '"seed": 42, "learning_rate": 0.1'))], None),
                       "key 'learning_rate' is given twice (0.003 and 0.1)", True),
-    "max_length_beyond_positions": (lambda t, b: (["--model_name_or_path", model_copy(b, t, {"max_position_embeddings": 16})], None),
-                                    "beyond the 16 positions the model was trained for", True),
     "only_empty_targets": (lambda t, b: (["--dataset_name_or_path", data_dir(t, '{"src": "a", "tgt": ""}\n{"src": "b", "tgt": " "}\n')], None),
                            "all 2 rows have an empty target", True),
     "int32_weight": (lambda t, b: (["--model_name_or_path", model_copy(b, t, edit=_int32_weight)], None),
@@ -249,8 +247,10 @@ def test_warnings_for_what_is_allowed(base, tmp_path, caplog):
     assert "rope scaling stretches them" in caplog.text
     check_positions(256, False, 512, (ds,), "cfg.json")
     assert "the examples read so far fit" in caplog.text
-    with pytest.raises(ValueError, match="no rope scaling"):
-        check_positions(16, False, 128, (ds,), "cfg.json")
+    check_positions(4, False, 128, (ds,), "cfg.json")   # RoPE / ALiBi: longer examples warn (issue 34)
+    assert "use positions the model never saw in training" in caplog.text
+    with pytest.raises(ValueError, match="beyond the 16 learned positions"):
+        check_positions(16, False, 128, (ds,), "cfg.json", learned=True)
     d = data_dir(tmp_path, '{"src": "a", "tgt": ""}\n{"src": "b", "tgt": "c"}\n')
     build_datasets(DataArgument(dataset_name_or_path=d, src_length=64, max_length=128), load_tokenizer(base["model"]))
     assert "1 of 2 rows have an empty target" in caplog.text

@@ -1,4 +1,4 @@
-"""Sharding stage1/2/3 = one process (PARALLEL_NOTES.md acceptance rules), and resume across
+"""Sharding stage1/2/3 = one process (docs/parallel.md: how a parallel result is accepted), and resume across
 layouts. One launch of 2 ranks and one of 4 run every case (tests/launch_cases.py); the reference
 is the same function (tests/tp_cases.py:train_case) in this process at the same global batch
 (micro 2 x accumulation 2 x 2 data ranks = 4 x 2 in one process). Variable-length copy data

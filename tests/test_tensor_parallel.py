@@ -1,4 +1,4 @@
-"""Tensor parallel = one process (PARALLEL_NOTES.md acceptance rules), TP=2 on real launched ranks.
+"""Tensor parallel = one process (docs/parallel.md: how a parallel result is accepted), TP=2 on real launched ranks.
 
 All cases run in ONE 2-rank launch (tests/launch_cases.py); the reference is the same function
 in this process (world size 1, same global batch, same seed, same data order). Data: variable-

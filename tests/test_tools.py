@@ -1,5 +1,5 @@
 """Small CLIs: the tiny-checkpoint maker is deterministic and its output loads in transformers;
-the README argument table is generated from args.py and not stale."""
+docs/arguments.md's key tables are generated from args.py and not stale."""
 import hashlib
 import os
 
@@ -22,6 +22,6 @@ def test_make_tiny_checkpoint_is_deterministic_and_loads_in_transformers(tmp_pat
     assert m.config.hidden_size == 48 and m.config.model_type == "qwen2"
 
 
-def test_readme_argument_table_is_current():
-    r = run_script([os.path.join(ROOT, "tools", "gen_readme_args.py"), "--check"])
+def test_arguments_md_is_current():
+    r = run_script([os.path.join(ROOT, "tools", "gen_arguments_md.py"), "--check"])
     assert r.returncode == 0, r.stdout

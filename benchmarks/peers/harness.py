@@ -26,7 +26,7 @@ VENVS = os.environ.get("PADDLETUNE_BENCH_VENVS",
 sys.path.insert(0, HERE)
 from common import LORA_TARGETS, MARK  # noqa: E402
 
-# DESIGN.md section 5 configuration; SMOKE is the 1-step test-suite size
+# docs/design.md section 5 configuration; SMOKE is the 1-step test-suite size
 DESIGN = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 8, "seq": 256, "batch": 4}
 SMOKE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

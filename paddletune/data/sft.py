@@ -11,8 +11,8 @@ src_length; then the answer is cut from the right (losing its end-of-turn token)
 Without a template, src/tgt rows follow PaddleNLP's plain rules below; messages rows need one.
 
 Where the files are (dataset_name_or_path = DIR):
-    DIR/train.json, DIR/dev.json          or   DIR/train/*.json, DIR/dev/*.json
-or a built-in name (paddletune/sample-sft).
+    DIR/train.json, DIR/dev.json  (or .jsonl)   or   DIR/train/*.json, DIR/dev/*.json (or *.jsonl)
+or one FILE.json / FILE.jsonl (train and dev both: logged), or a built-in name (paddletune/sample-sft).
 
 Token rules for one round (PaddleNLP's, worked example with src_length=4, max_length=8,
 BOS added by the tokenizer):
@@ -43,20 +43,26 @@ class DataError(ValueError):
 
 
 def resolve_dataset_path(name):
+    """A directory of split files, or one .json / .jsonl file; DataError naming the fix otherwise."""
     if name in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[name]
-    if os.path.isdir(name):
+    if os.path.isdir(name) or (os.path.isfile(name) and name.endswith((".json", ".jsonl"))):
         return name
-    raise DataError(f"dataset_name_or_path={name!r} is not a directory (working directory "
-                    f"{os.getcwd()}); give a folder with train.json/dev.json, or the built-in "
+    what = "is not a .json / .jsonl file" if os.path.isfile(name) else "is not a directory or a file"
+    raise DataError(f"dataset_name_or_path={name!r} {what} (working directory {os.getcwd()}); give a "
+                    f"folder with train.json/dev.json (or .jsonl), one JSON-lines file, or the built-in "
                     f"{', '.join(BUILTIN_DATASETS)}")
 
 
 def split_files(root, split):
-    """Files of one split: root/{split}.json, or root/{split}/*.json (sorted). May be []."""
-    single = os.path.join(root, f"{split}.json")
-    if os.path.isfile(single):
-        return [single]
+    """Files of one split: root itself when it is one file (it serves every split), else
+    root/{split}.json or .jsonl, or root/{split}/*.json(l) (sorted). May be []."""
+    if os.path.isfile(root):
+        return [root]
+    for ext in (".json", ".jsonl"):
+        single = os.path.join(root, split + ext)
+        if os.path.isfile(single):
+            return [single]
     return sorted(glob.glob(os.path.join(root, split, "*.json")) + glob.glob(os.path.join(root, split, "*.jsonl")))
 
 
@@ -352,8 +358,11 @@ def load_split(root, split, tok, data_args, required=True, builder=None):
     files = split_files(root, split)
     if not files:
         if required:
-            raise DataError(f"no {split} data in {root}: expected {split}.json or {split}/*.json")
+            raise DataError(f"no {split} data in {root}: expected {split}.json, {split}.jsonl or {split}/*.json")
         return None
+    if os.path.isfile(root) and split != "train":
+        logger.info("%s data: the same file as train (%s); a directory with train.json and dev.json "
+                    "keeps them apart", split, root)
     builder = builder or ExampleBuilder(tok, data_args)
     skipper = LineSkipper(getattr(data_args, "skip_invalid_lines", False), split)
     examples, empty = [], []
@@ -400,7 +409,7 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
 
         files = split_files(root, "train")
         if not files:
-            raise DataError(f"no train data in {root}: expected train.json or train/*.json")
+            raise DataError(f"no train data in {root}: expected train.json, train.jsonl or train/*.json")
         train = LazyDataset(files, builder, skip_invalid_lines=getattr(data_args, "skip_invalid_lines", False),
                             check_all=getattr(data_args, "lazy_check", True))
     else:
@@ -409,21 +418,24 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
     return train, dev
 
 
-def check_positions(limit, scaled, max_length, datasets, config_file):
+def check_positions(limit, scaled, max_length, datasets, config_file, learned=False):
     """max_length beyond the `limit` positions the model was trained for (max_position_embeddings
-    in `config_file`): refused when an example is longer than `limit` and config.json sets no rope
-    scaling (positions the model never saw), warned otherwise (streamed data: lengths unknown)."""
+    in `config_file`): refused for a learned position table (GPT-2, OPT: a position past it has
+    no vector); RoPE and ALiBi compute any position, so there it warns once (as transformers and
+    PaddleNLP allow it), saying whether the examples read so far fit and whether rope scaling
+    stretches the positions."""
     if not limit or max_length <= limit:
         return
+    if learned:
+        raise DataError(f"max_length={max_length} is beyond the {limit} learned positions of the model "
+                        f"(max_position_embeddings / n_positions in {config_file}): a position past "
+                        f"the table has no embedding; lower max_length to {limit}")
     lengths = [len(e["input_ids"]) for ds in datasets if isinstance(ds, SFTDataset) for e in ds.examples]
     longest = max(lengths) if lengths else None
-    if longest is not None and longest > limit and not scaled:
-        raise DataError(f"max_length={max_length} lets examples of up to {longest} tokens through, "
-                        f"beyond the {limit} positions the model was trained for "
-                        f"(max_position_embeddings in {config_file}), and config.json sets no rope "
-                        f"scaling: lower max_length to {limit}, or add rope_scaling to config.json")
     logger.warning("max_length=%d is beyond the model's %d positions (max_position_embeddings in %s)%s",
                    max_length, limit, config_file,
                    ": rope scaling stretches them" if scaled else
-                   f"; the examples read so far fit ({longest} tokens at most)" if longest else
+                   f"; the examples read so far fit ({longest} tokens at most)" if longest is not None and longest <= limit else
+                   f"; examples of up to {longest} tokens use positions the model never saw in training "
+                   "(quality may drop there; rope_scaling in config.json stretches them)" if longest else
                    "; a streamed example longer than that would use positions the model never saw")

@@ -11,7 +11,7 @@
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
-on the DESIGN.md section 5 LoRA step the loss alone took ~45 ms of ~400 (the kernel: ~13).
+on the docs/design.md section 5 LoRA step the loss alone took ~45 ms of ~400 (the kernel: ~13).
 Built through paddle.utils.cpp_extension into $PADDLETUNE_HOME/kernels/<key> (key = hash of the
 source, paddle version, compiler flags and CPU, since -march=native code is CPU-specific), under
 a file lock so launched ranks build once; later processes load the built library (~1 s).

@@ -114,10 +114,12 @@ def check_tokenizer(config, tok, model_path):
 
 def position_limit(config):
     """(positions the model was trained for, whether config.json sets a rope scaling that
-    stretches them): max_position_embeddings (ChatGLM: seq_length); rope_scaling or a rope_ratio."""
+    stretches them, whether they are a learned table (ModelSpec.learned_positions: GPT-2, OPT)):
+    max_position_embeddings (ChatGLM: seq_length); rope_scaling or a rope_ratio."""
     raw = getattr(config, "raw", {}) or {}
     scaled = bool(raw.get("rope_scaling")) or raw.get("rope_ratio", 1) not in (1, None)
-    return getattr(config, "max_position_embeddings", None), scaled
+    learned = get_spec(config.model_type).learned_positions
+    return getattr(config, "max_position_embeddings", None), scaled, learned
 
 
 def build_model(config, seed=None, dtype="float32"):

@@ -182,6 +182,7 @@ _TINY = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size
          "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
 
 SPEC = register(ModelSpec(
+    learned_positions=True,
     module_paths={"embeddings": "transformer.wte", "layers": "transformer.h",
                   "norm": "transformer.ln_f", "head": "lm_head"},
     attention_module="attn",

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: config.json, safetensors (single or sharded), layouts.
 
-This is the only module that converts weight layouts (DESIGN.md rule 7): HF/torch Linear weights
+This is the only module that converts weight layouts (docs/design.md rule 7): HF/torch Linear weights
 are [out, in], paddle nn.Linear weights are [in, out]. Every 2-D ".weight" is a Linear weight
 except the names in `ModelSpec.not_linear` (embeddings), which keep their layout; Linear weights
 whose checkpoint stores them [in, out] already (GPT-2's Conv1D: `ModelSpec.stored_in_out`) keep

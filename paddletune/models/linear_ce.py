@@ -46,7 +46,7 @@ class LinearCrossEntropy(paddle.autograd.PyLayer):
     # elements of one [rows, V] logits block: 1000 rows at V=32000 (128 MB of float32, which the
     # CPU kernel turns into the gradient in place). Smaller blocks save memory but cost speed:
     # paddle's CPU matmul runs [128, 256] x [256, 32000] 1.7x slower than 256+ rows, and the
-    # DESIGN.md section 5 LoRA step is ~10 ms faster with one 1020-row block than with 250-row ones
+    # docs/design.md section 5 LoRA step is ~10 ms faster with one 1020-row block than with 250-row ones
     BLOCK_ELEMENTS = 32_000_000
 
     @staticmethod

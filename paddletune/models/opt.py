@@ -215,6 +215,7 @@ _TINY = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "vocab_size":
          "enable_bias": True, "tie_word_embeddings": True}
 
 SPEC = register(ModelSpec(
+    learned_positions=True,
     attention_module="self_attn",
     model_type="opt", config_cls=OPTConfig, model_cls=OPTForCausalLM,
     architectures=("OPTForCausalLM",),

@@ -58,6 +58,10 @@ class ModelSpec:
     # regexes (full match) over HF tensor names of Linear weights the checkpoint already stores as
     # [in, out], paddle's layout (GPT-2's Conv1D c_attn / c_proj / c_fc): hf.py keeps their layout
     stored_in_out: Tuple[str, ...] = ()
+    # positions come from a learned table of max_position_embeddings rows (GPT-2, OPT): a position
+    # beyond it has no vector, so max_length beyond it is refused; RoPE / ALiBi families compute any
+    # position and only warn (as transformers and PaddleNLP allow it)
+    learned_positions: bool = False
     # config.json's model_type when two families share one (ChatGLM-6B and ChatGLM2/3 both say
     # "chatglm"): the registry key (model_type above) is then this project's own name, and
     # claims(config dict) -> bool says which config.json files are this family's

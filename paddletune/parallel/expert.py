@@ -23,11 +23,11 @@ Dispatch / combine of one sparse layer (x [T, H] this rank's tokens, w / idx [T,
   `alltoall_dispatch`. Its logic is tested on CPU through cpu_compat's exact all-gather emulation
   of alltoall_single (tests/test_moe_ep.py); NCCL's own all-to-all has NOT been run here (no GPU).
 
-Why hand-written collectives (DESIGN.md rule 6): the dispatch is data-dependent (each rank sends a
+Why hand-written collectives (docs/design.md rule 6): the dispatch is data-dependent (each rank sends a
 different number of rows to each expert, every step), which DTensor placements do not express;
 paddle's own MoE exchange (moe_utils.global_scatter / global_gather, incubate MoELayer) has no CPU
 kernel, and the engine's Shard->Shard reshard on CPU is itself an all-gather + slice
-(PARALLEL_NOTES.md). So, as tensor.py runs TP locally with Megatron's two collectives, EP runs
+(docs/parallel.md). So, as tensor.py runs TP locally with Megatron's two collectives, EP runs
 locally with the PyLayer collectives above, each with its adjoint written next to it.
 
 Router statistics (load-balancing loss): every data-parallel rank's micro-batch is part of one
@@ -179,7 +179,7 @@ class ExpertParallel:
 
 
 def _nccl():
-    """All-to-all exists on NCCL builds running on GPU; gloo has none (PARALLEL_NOTES.md)."""
+    """All-to-all exists on NCCL builds running on GPU; gloo has none (docs/parallel.md)."""
     return paddle.is_compiled_with_cuda() and paddle.device.get_device().startswith("gpu")
 
 

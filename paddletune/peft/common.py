@@ -91,16 +91,18 @@ BASE_RECORD = "paddletune_base_model.json"   # beside an HF-PEFT adapter trained
 
 
 def base_name_for_config(name_or_path):
-    """What to write as base_model_name_or_path: always a local absolute path, so peft's
-    AutoPeftModelForCausalLM and the merge tools find the base offline from any working
-    directory; a built-in name is resolved to its generated directory (builtin_name keeps the
-    name, in a separate field)."""
-    from ..models import BUILTIN_MODELS, resolve_model_path
+    """What to write as base_model_name_or_path: a built-in model's portable name
+    (paddletune/tiny-llama: paddletune's loaders and merge tools regenerate it on any machine;
+    this machine's cache path would mean nothing elsewhere), else a local absolute path, so the
+    merge tools find the base from any working directory. peft's AutoPeftModelForCausalLM needs
+    the base as a directory: PeftModel.from_pretrained(base_model, adapter_dir) on the resolved
+    built-in (paddletune.models.resolve_model_path) loads it."""
+    from ..models import BUILTIN_MODELS
 
     if name_or_path is None:
         return None
     if name_or_path in BUILTIN_MODELS:
-        return os.path.abspath(resolve_model_path(name_or_path))
+        return name_or_path
     return os.path.abspath(name_or_path)
 
 

@@ -392,15 +392,19 @@ def resume_path(output_dir, resume_from_checkpoint=None, overwrite_output_dir=Fa
 
 
 def rotate_checkpoints(output_dir, limit, keep=None):
-    """Delete the oldest checkpoints beyond `limit`, never the one named `keep` (the best)."""
+    """Delete the oldest checkpoints beyond `limit`, never the one named `keep` (the best) nor
+    the newest (what a rerun resumes from). So save_total_limit 1 with a best that is not the
+    last keeps two, as transformers' Trainer does, and a finished run rerun has nothing left to
+    train instead of resuming from the best step and training the rest again."""
     if not limit or limit <= 0:
         return
     ckpts = list_checkpoints(output_dir)
+    protected = {os.path.abspath(p) for p in ([keep] if keep else []) + ckpts[-1:]}
     excess = len(ckpts) - limit
     for p in ckpts:
         if excess <= 0:
             break
-        if keep and os.path.abspath(p) == os.path.abspath(keep):
+        if os.path.abspath(p) in protected:
             continue
         shutil.rmtree(p, ignore_errors=True)
         excess -= 1

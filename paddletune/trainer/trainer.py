@@ -28,7 +28,7 @@ from ..models.loss import lm_loss_for
 from ..parallel.layout import Parallel
 from ..runtime import amp_settings
 from . import checkpoint as ckpt
-from . import export, profiling, reporting, resume
+from . import export, profiling, reporting, resume, summary
 from .optim import AdamW, lr_at
 
 logger = logging.getLogger("paddletune")
@@ -357,11 +357,8 @@ class Trainer:
             self.reporter.write(rec)
 
     def _progress(self, total):
-        if self.args.disable_tqdm or not self.main:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, initial=self.state["global_step"], desc="train", dynamic_ncols=True)
+        return summary.progress(total, self.state["global_step"], self.args.logging_steps,
+                                show=self.main and not self.args.disable_tqdm)
 
     def _log_start(self, total):
         a = self.args
@@ -374,6 +371,8 @@ class Trainer:
             logger.info("  micro batch = %d, accumulation = %d, data-parallel ranks = %d, global batch = %d",
                         a.per_device_train_batch_size, a.gradient_accumulation_steps,
                         self.topo.data_degree, self.global_batch())
+            logger.info("  layout = %s = %d process(es)", summary.layout_line(self.topo.degrees, self.topo.ep_degree),
+                        self.topo.world_size)
             logger.info("  optimizer steps = %d (starting at %d)", total, self.state["global_step"])
             logger.info("trainable params: {:,} / {:,} ({:.2%})".format(n_train, n_all, n_train / max(n_all, 1)))
 
@@ -526,6 +525,10 @@ class Trainer:
                 if self.main:
                     logger.info("loaded best model (%s = %.6g) from %s", a.metric_for_best_model,
                                 st["best_metric"], path)
+                    last = (self._logged_eval(st["global_step"]) or {}).get(a.metric_for_best_model)
+                    for line in summary.export_lines(a.metric_for_best_model, st["best_step"], st["best_metric"],
+                                                     st["global_step"], last, a.output_dir):
+                        logger.info(line)
         through = ((lambda d: export.through_checkpoint(self, d)) if self.checkpoint_meta is not None
                    else None)   # pipeline stages hold parts: merged from checkpoint pieces
         self.par.export(a.output_dir, self.export_fn, self.export_fn == self._default_export,
