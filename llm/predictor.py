@@ -21,6 +21,7 @@ the ranks generate together (the same ids on every rank); only rank 0 prints and
 import dataclasses
 import io
 import json
+import logging
 import os
 import sys
 import time
