@@ -95,6 +95,11 @@ def test_pipeline_and_predictor_with_lora(lora_setup, tmp_path):
     assert pred.main(["--model_name_or_path", alone, "--data_file", data, "--decode_strategy", "greedy_search",
                       "--max_length", "8"], stdout=out) == 0
     assert json.loads(out.getvalue().splitlines()[0])["output"] == want
+    # loading.load_for_generation takes the adapter directory alone as well: torch peft's answers
+    from_adapter, _, _ = load_for_generation(alone)
+    assert len(peft.lora.lora_layers(from_adapter)) == 8
+    assert (generate(from_adapter, PROMPTS, max_new_tokens=N, eos_token_id=[]).sequences
+            == [torch_generate(pm, p) for p in PROMPTS])
 
 
 @pytest.fixture(scope="module")
