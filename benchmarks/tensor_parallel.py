@@ -56,7 +56,7 @@ if mode == "train":
     data = [{"input_ids": rng.integers(3, 1000, seq), "labels": rng.integers(3, 1000, seq)} for _ in range(batch * steps)]
     marks = []
     tr = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology=topo,
-                 callbacks=[lambda t, info: marks.append((len(t.tp.log), time.time()))])
+                 callbacks=[lambda t, info: marks.append((len(t.par.tp.log), time.time()))])
     tr.par.tp.log = []
     t0 = time.time()
     tr.train()

@@ -184,13 +184,17 @@ def _env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _wait_for(path, proc, timeout=240):
+def _wait_for(path, proc, ready=None, timeout=240):
+    """Until `path` exists (and ready(path) holds), the process ends or the time is up."""
     import time
 
+    def done():
+        return os.path.exists(path) and (ready is None or ready(path))
+
     deadline = time.time() + timeout
-    while not os.path.exists(path) and time.time() < deadline and proc.poll() is None:
+    while not done() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.3)
-    return os.path.exists(path)
+    return done()
 
 
 def _start_launch(out, logs, steps):
@@ -296,15 +300,20 @@ def test_single_process_sigint_is_one_line_exit_130(tmp_path):
     import signal
 
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, SCRIPT, SFT, "--output_dir", str(out), "--max_steps", "100000"] + TRAIN,
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert _wait_for(out / "checkpoint-2", p)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    # the output goes to files, as to a terminal that reads it: an unread pipe fills up (64 KiB of
+    # per-step log lines) and blocks the run in its next print, before the checkpoint shows up
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        p = subprocess.Popen([sys.executable, SCRIPT, SFT, "--output_dir", str(out), "--max_steps", "100000"]
+                             + TRAIN, cwd=ROOT, env=_env(), stdout=so, stderr=se, text=True)
+        try:
+            # any checkpoint: save_total_limit 1 rotates checkpoint-2 away within milliseconds
+            assert _wait_for(out, p, lambda d: any(n.startswith("checkpoint-") for n in os.listdir(d)))
+            p.send_signal(signal.SIGINT)
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    err = (tmp_path / "stderr").read_text()
     lines = [x for x in err.splitlines() if x.strip()]
     assert p.returncode == 130, err[-2000:]
     assert len(lines) == 1 and lines[0].startswith("stopped by the user (SIGINT) at step "), err[-2000:]

@@ -12,9 +12,13 @@ from conftest import ROOT, launch_cases, rel_err, run_script
 from paddletune.models.hf import CheckpointReader, SafetensorsFile
 
 SCRIPT = "llm/finetune_generation.py"
+# adam_epsilon 1e-3 (was 1e-4, as test_cli's DP LoRA case since the pre-trained tiny-llama): in 3
+# warm-up steps lora_B moves ~6e-4, and float32 summation-order noise in its near-zero gradients,
+# amplified by AdamW's normalisation, measured 1.85e-4 of that update at 1e-4 on an AVX2-only EPYC
+# (1.1e-7 absolute on o_proj.lora_B, main as well as this tree)
 QUICK = ["--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "--evaluation_strategy",
          "no", "--load_best_model_at_end", "false", "--per_device_train_batch_size", "4",
-         "--do_eval", "false", "--disable_tqdm", "true", "--adam_epsilon", "1e-4"]
+         "--do_eval", "false", "--disable_tqdm", "true", "--adam_epsilon", "1e-3"]
 
 
 @pytest.fixture(scope="module")
