@@ -136,20 +136,14 @@ def conversation_of(src, tgt):
 
 
 def adapter_as_model(a):
-    """--model_name_or_path naming an adapter directory (a LoRA / prefix-tuning run's output_dir:
-    adapter_config.json, no config.json) means its base_model_name_or_path with that adapter, as
-    if --lora_path / --prefix_path had been given (loading.adapter_base finds the base)."""
-    from paddletune.loading import adapter_base
+    """--model_name_or_path naming an adapter directory means its base with that adapter, as if
+    --lora_path / --prefix_path had been given (loading.adapter_as_model)."""
+    from paddletune.loading import adapter_as_model as apply
 
-    if a.lora_path or a.prefix_path:
-        return
     try:
-        found = adapter_base(a.model_name_or_path)
+        apply(a)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if found is not None:
-        setattr(a, found[1], a.model_name_or_path)
-        a.model_name_or_path = found[0]
 
 
 def base_from_adapter(a):

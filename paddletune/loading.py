@@ -135,6 +135,18 @@ def adapter_base(path):
     return base, key
 
 
+def adapter_as_model(args):
+    """args.model_name_or_path naming an adapter directory (and no lora_path / prefix_path given)
+    becomes its base, with the directory as args.lora_path or args.prefix_path: the scripts'
+    "--model_name_or_path LORA_OUT" (predictor.py, the server). ValueError from adapter_base."""
+    if args.lora_path or args.prefix_path:
+        return
+    found = adapter_base(args.model_name_or_path)
+    if found is not None:
+        setattr(args, found[1], args.model_name_or_path)
+        args.model_name_or_path = found[0]
+
+
 def load_for_generation(model, tokenizer=None, lora_path=None, prefix_path=None, merge_lora=True,
                         topology=None, dtype="float32"):
     """(model in eval mode, tokenizer, checkpoint dir or None) from a checkpoint directory /

@@ -102,20 +102,14 @@ def check(a):
 
 
 def adapter_base(a):
-    """--model_name_or_path naming an adapter directory means its base_model_name_or_path with
-    that adapter (loading.adapter_base, as predictor.py does)."""
-    from ..loading import adapter_base as found
+    """--model_name_or_path naming an adapter directory means its base with that adapter
+    (loading.adapter_as_model, as predictor.py does)."""
+    from ..loading import adapter_as_model
 
-    if a.lora_path or a.prefix_path:
-        return
     try:
-        got = found(a.model_name_or_path)
+        adapter_as_model(a)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if got is not None:
-        d = a.model_name_or_path
-        a.model_name_or_path, key = got
-        setattr(a, key, d)
 
 
 def load_served_model(a):
