@@ -131,7 +131,7 @@ class DataArgument:
     pad_to_multiple_of: Optional[int] = F(None, "pad batch length up to a multiple of this")
     pad_to_max_length: bool = F(False, "pad every batch to max_length")
     lazy: bool = F(False, "stream the train JSON lines without loading them (file order, needs max_steps; dev data is loaded)")
-    lazy_check: bool = F(True, "lazy data: check every train line before training (a streaming pass by rank 0, bounded memory; the other ranks wait); false for very large corpora: lines are then checked as they are streamed")
+    lazy_check: bool = F(True, "lazy data: check every train line before training (a streaming pass by rank 0, bounded memory; the other ranks wait); false for very large corpora: training starts at once and rank 0 checks every line in a background pass, a bad line ending the job at the next step")
     skip_invalid_lines: bool = F(False, "skip (and log, with a count) data lines that are not valid JSON or not a usable example, instead of stopping; for large streamed (lazy) files")
     chat_template: Optional[str] = F(None, "chat template: a PaddleNLP chat_template.json, a jinja file, a built-in name, or 'none'")
     eval_with_do_generation: bool = F(False, "evaluate by generating answers and scoring BLEU-4/ROUGE")

@@ -465,6 +465,30 @@ def test_bad_lazy_line_is_found_before_training(tmp_path, capsys):
     assert "loaded " not in err   # before the model is loaded
 
 
+def test_bad_lazy_line_found_by_the_background_pass(tmp_path, capsys):
+    """lazy_check: false: training starts at once and the background pass over every line finds a
+    bad line at line 2900 of 3000, which the stream itself (2 rows a step, file order) would meet
+    only at step ~1450: the run ends with one error line naming file and line, long before, with
+    nothing exported."""
+    from conftest import load_script
+
+    lines = open(os.path.join(ROOT, "paddletune", "assets", "sample-sft", "train.json")).read().splitlines()
+    lines[2899] = '{"src": "no target"}'
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.json").write_text("\n".join(lines) + "\n")
+    ft = load_script("llm/finetune_generation.py")
+    code = ft.main([SFT, "--dataset_name_or_path", str(tmp_path / "data"), "--lazy", "true", "--lazy_check",
+                    "false", "--max_steps", "100000", "--output_dir", str(tmp_path / "out")] + TRAIN[:-4] +
+                   ["--save_strategy", "no"])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(line) == 1, err[-2000:]
+    assert line[0].startswith(f"error: {tmp_path}/data/train.json:2900: ") and "tgt" in line[0], line
+    step = int(line[0].split("found by the background check of the train data at training step ")[1].split(";")[0])
+    assert step < 1400, line   # (the stream meets the line at step 1449)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 # ------------------------------------------------------------------ 7: smaller items
 
 def test_smaller_items(tmp_path, capsys, caplog, monkeypatch):

@@ -13,9 +13,17 @@ micro_batch x accumulation rows. The position after a step is
 which the Trainer saves in every checkpoint (one per rank) and hands back on resume, so training
 continues at the next unseen row after one seek, however far into the file.
 Memory: one chunk of tokenised examples, whatever the file size.
+
+Every line is checked (`lazy_check`, DataArgument): by default (true) in one streaming pass by
+rank 0 before training (the other ranks wait for it in their first collective); with false, for
+corpora too large to wait for, the same pass runs on rank 0 in a background thread while training
+runs, and the first bad line it finds ends the job at the next step (one error line naming file
+and line), however far into the file it is. A pass still running when training ends is left
+unfinished: the lines trained on were checked as they were streamed.
 """
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -46,6 +54,7 @@ class LazyDataset:
         self.total = sum(self.sizes)
         if self.total == 0:
             raise DataError(f"train data is empty ({', '.join(self.files)})")
+        self.background = None   # {"error", "done", "checked"} of the background pass (lazy_check: false)
         if skip_invalid_lines:    # bad lines are skipped and counted when streamed
             return
         if check_all and _rank() == 0:
@@ -56,12 +65,42 @@ class LazyDataset:
                 builder(row, f"{path}:{lineno}")
                 if n + 1 >= check_lines:
                     break
+        if _rank() == 0:
+            self.start_background_check()
 
-    def check_every_line(self, progress_s=10.0):
+    def start_background_check(self):
+        """Run check_every_line in a daemon thread (lazy_check: false); raise_background_error
+        reports what it found. The thread only reads the files and tokenises (no paddle)."""
+        state = self.background = {"error": None, "done": False, "checked": 0}
+
+        def run():
+            t0 = time.time()
+            try:
+                self.check_every_line(progress=state)
+                logger.info("lazy_check: the background pass found every train line valid (%.0f s)",
+                            time.time() - t0)
+            except Exception as e:   # noqa: BLE001 - raised on the main thread at the next step
+                state["error"] = e
+            state["done"] = True
+        threading.Thread(target=run, name="lazy-check", daemon=True).start()
+
+    def raise_background_error(self, step=None):
+        """Raise the background pass's error (a DataError naming file and line), if any."""
+        bg = self.background
+        if bg is not None and bg["error"] is not None:
+            e, bg["error"] = bg["error"], None
+            if isinstance(e, DataError):
+                at = f" at training step {step}" if step is not None else ""
+                raise DataError(f"{e} (found by the background check of the train data{at}; "
+                                "lazy_check: true checks every line before training)") from None
+            raise e
+
+    def check_every_line(self, progress_s=10.0, progress=None):
         """One streaming pass over every train line (JSON and the example builder's checks:
         the same as when streamed), before training: a bad line fails now, naming file and line,
         not after hundreds of steps. Memory: one line at a time. A progress line every
-        `progress_s` seconds on large files."""
+        `progress_s` seconds on large files. `progress` (the background pass's state dict)
+        receives the bytes checked so far."""
         done, last, t0 = 0, time.time(), time.time()
         for path, size in zip(self.files, self.sizes):
             with open(path, "rb") as f:
@@ -69,15 +108,18 @@ class LazyDataset:
                     if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
                         line = line[3:]
                     done += len(line)
+                    if progress is not None:
+                        progress["checked"] = done
                     if line.strip():
                         where = f"{path}:{lineno}"
                         self.builder(parse_json_line(line, where), where)
                     if time.time() - last > progress_s:
                         last = time.time()
                         logger.info("lazy_check: checked %.0f%% of the train data (%d of %d bytes, "
-                                    "%s line %d); lazy_check: false skips this pass",
-                                    100 * done / self.total, done, self.total, path, lineno)
-        if time.time() - t0 > progress_s:
+                                    "%s line %d)%s", 100 * done / self.total, done, self.total, path,
+                                    lineno, " in the background" if progress is not None else
+                                    "; lazy_check: false checks in the background instead")
+        if time.time() - t0 > progress_s and progress is None:
             logger.info("lazy_check: every train line is valid (%.0f s)", time.time() - t0)
 
     def share(self, rank, world):
@@ -214,6 +256,7 @@ class LazySource:
                 next(rows)
         step = start_step
         while True:
+            self.ds.raise_background_error(step)   # lazy_check: false: a bad line found meanwhile
             taken = [next(rows) for _ in range(per_step)]
             self._state = taken[-1][1]
             micro = [self.collate([r for r, _ in taken[i:i + self.micro]]) for i in range(0, per_step, self.micro)]
