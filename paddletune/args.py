@@ -659,6 +659,9 @@ def build(values, sources=None, warn=None):
     _paddlenlp_post_init(objs[-1], sources, warn)
     _resolve(*objs)
     _check_values(*objs, sources=sources, warn=warn)
+    from . import stopping
+
+    stopping.job_dir(objs[-1].output_dir)   # a failed rank's marker goes there (stopping.py)
     return objs
 
 

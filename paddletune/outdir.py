@@ -226,6 +226,9 @@ def claim(output_dir, key="output_dir"):
 
     for path in clean_dead_saves(lock.dir, unowned=True):   # an export killed mid-write
         logger.info("removed %s, left by an interrupted save", path)
+    from .stopping import sweep_markers
+
+    sweep_markers(lock.dir)   # failure markers of earlier launched jobs
     return lock
 
 

@@ -3,6 +3,7 @@
     stopping.install()                 # cli.entry, after `import paddle` (see below)
     stopping.progress(step, output_dir)  # the trainer, every step
     stopping.mark_failed(rank)         # cli.entry, when a launched rank fails
+    stopping.job_dir(output_dir)       # args.build: where this job's failure marker goes
 
 Single process: SIGINT (Ctrl-C) prints one line ("stopped by the user at step N; newest
 checkpoint ...; rerun the same command to resume") and exits 130; SIGTERM the same with 143.
@@ -14,7 +15,12 @@ launcher answers a user's SIGINT / SIGTERM by sending SIGTERM to every worker (a
 30 s; its own exit status is paddle's). A rank that fails leaves a marker first (mark_failed), so
 on SIGTERM a rank can tell the two apart: "another rank of this job failed" when a marker of this
 job exists, else "stopped by the launcher at step N ...; rerun the same command to resume"; exit
-143 either way. The launcher starts workers in their own session (os.setsid), so a SIGKILL of the
+143 either way. The marker is output_dir/.paddletune-failed-<job key> (the key: a hash of the
+job's endpoint list, the same on every rank and node; output_dir is locked by the job, and on
+several nodes shared, see outdir.check_shared), so nothing is left in /tmp. A marker older than
+the local launcher's start belongs to an earlier job: it is ignored, and removed by the next
+run's rank 0 when it takes the output_dir lock (sweep_markers). A rank that fails before the
+arguments are parsed (no output_dir known) leaves no marker: every rank fails the same way then. The launcher starts workers in their own session (os.setsid), so a SIGKILL of the
 launcher (or of its process group) never reaches them: a daemon thread compares getppid() with
 the launcher's PID recorded at start, and PR_SET_PDEATHSIG sends SIGTERM when the launcher dies
 (checked again after setting it: it may already be gone). Either way the rank prints one line,
@@ -28,17 +34,17 @@ in a collective that releases the GIL (gloo's do).
 """
 import ctypes
 import glob
+import hashlib
 import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 
-STATE = {"step": None, "output_dir": None}
-_LAUNCHER = {"pid": None}
-_MARK = ".paddletune-failed-{}"   # + the launcher's PID: one marker file per launched job
+STATE = {"step": None, "output_dir": None, "job_dir": None}
+_LAUNCHER = {"pid": None, "started": None}
+_MARK = ".paddletune-failed-{}"   # + the job key: one marker file per launched job
 PR_SET_PDEATHSIG = 1
 
 
@@ -79,27 +85,75 @@ def where():
         "; rerun the same command to resume"
 
 
+def job_dir(output_dir):
+    """Record the job's output_dir (the failure marker's place) as soon as it is known."""
+    STATE["job_dir"] = os.path.abspath(output_dir) if output_dir else None
+
+
+def _job_key():
+    ends = os.environ.get("PADDLE_TRAINER_ENDPOINTS") or os.environ.get("PADDLE_MASTER") or \
+        str(_LAUNCHER["pid"] or os.getppid())
+    return hashlib.sha1(ends.encode()).hexdigest()[:12]
+
+
 def _marker():
-    return os.path.join(tempfile.gettempdir(), _MARK.format(_LAUNCHER["pid"] or os.getppid()))
+    d = STATE["job_dir"] or STATE["output_dir"]
+    return os.path.join(d, _MARK.format(_job_key())) if d else None
+
+
+def start_time(pid):
+    """When process `pid` started (seconds since the epoch), from /proc; None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])   # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def mark_failed(rank):
-    """Leave the marker of this job's failure (read by the other ranks' SIGTERM handler)."""
-    if _world()[0] <= 1:
+    """Leave the marker of this job's failure (read by the other ranks' SIGTERM handler) in the
+    job's output_dir; nothing when there is none yet."""
+    path = _marker()
+    if _world()[0] <= 1 or path is None or not os.path.isdir(os.path.dirname(path)):
         return
     try:
-        with open(_marker(), "a") as f:
+        with open(path, "a") as f:
             f.write(f"{rank}\n")
     except OSError:
         pass
 
 
 def _failed_rank():
+    """The rank named by this job's marker, or None (no marker, or one older than the launcher)."""
+    path = _marker()
+    if path is None:
+        return None
     try:
-        with open(_marker()) as f:
+        started = _LAUNCHER["started"]
+        if started is not None and os.stat(path).st_mtime < started - 1:   # btime: 1 s resolution
+            return None
+        with open(path) as f:
             return f.readline().strip() or "?"
     except OSError:
         return None
+
+
+def sweep_markers(output_dir):
+    """Remove failure markers of earlier jobs from output_dir (rank 0, holding its lock): those
+    written before this process's launcher (or this process) started. Returns the paths removed."""
+    since = start_time(os.getppid() if _world()[0] > 1 else os.getpid())
+    gone = []
+    for path in glob.glob(os.path.join(glob.escape(output_dir), _MARK.format("*"))):
+        try:
+            if since is None or os.stat(path).st_mtime < since - 1:
+                os.unlink(path)
+                gone.append(path)
+        except OSError:
+            pass
+    return gone
 
 
 def _leave(line, code):
@@ -144,18 +198,6 @@ def _watch(pid):
     _launcher_gone()
 
 
-def _sweep(launcher):
-    """Remove this job's stale marker (a launcher PID reused) and those of ended launchers."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), _MARK.format("*"))):
-        pid = path.rsplit("-", 1)[-1]
-        try:
-            if not pid.isdigit() or not os.path.exists(f"/proc/{pid}") or (
-                    int(pid) == launcher and os.stat(path).st_mtime < os.stat(f"/proc/{pid}").st_ctime):
-                os.unlink(path)
-        except OSError:
-            pass
-
-
 def install():
     """Install the handlers (and, under the launcher, the watcher) once per process; returns the
     previous handlers (restored by restore)."""
@@ -169,7 +211,7 @@ def install():
         signal.signal(s, _on_signal)
     if world > 1 and _LAUNCHER["pid"] is None:
         _LAUNCHER["pid"] = launcher = os.getppid()
-        _sweep(launcher)
+        _LAUNCHER["started"] = start_time(launcher)
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         except (OSError, AttributeError):

@@ -305,6 +305,38 @@ def test_launcher_killed_then_stopped_then_resumed_exactly(tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_failure_markers_of_earlier_jobs_are_swept_at_claim(tmp_path, monkeypatch):
+    """A launched rank's failure marker goes into the job's output_dir (not /tmp); taking the
+    output_dir lock removes markers older than this process (an earlier job's), keeps newer ones;
+    an old marker is not read as this job's failure. (The launched case: test_reliability_launch.)"""
+    import time
+
+    from paddletune import outdir, stopping
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:1,127.0.0.1:2")
+    monkeypatch.setitem(stopping.STATE, "job_dir", None)
+    stopping.mark_failed(1)                       # no output_dir known yet: nothing written
+    stopping.job_dir(str(out))
+    stopping.mark_failed(1)
+    mine = [p for p in out.iterdir() if p.name.startswith(".paddletune-failed-")]
+    assert len(mine) == 1 and mine[0].read_text() == "1\n"
+    assert stopping._failed_rank() == "1"
+    old = out / ".paddletune-failed-0123456789ab"
+    old.write_text("0\n")
+    os.utime(old, (time.time() - 10 ** 6,) * 2)
+    os.utime(mine[0], (time.time() - 10 ** 6,) * 2)
+    monkeypatch.setitem(stopping._LAUNCHER, "started", time.time() - 100)
+    assert stopping._failed_rank() is None        # older than this job's launcher
+    os.utime(mine[0])
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")   # claim as a single process: since its start
+    lock = outdir.claim(str(out))
+    outdir.release(lock)
+    assert sorted(p.name for p in out.iterdir()) == [mine[0].name]
+
+
 def test_single_process_sigint_is_one_line_exit_130(tmp_path):
     """Ctrl-C in a single process: one line naming the step and newest checkpoint, exit 130, the
     output_dir lock released; no paddle internals printed."""
@@ -467,8 +499,8 @@ def test_bad_lazy_line_is_found_before_training(tmp_path, capsys):
 
 def test_bad_lazy_line_found_by_the_background_pass(tmp_path, capsys):
     """lazy_check: false: training starts at once and the background pass over every line finds a
-    bad line at line 2900 of 3000, which the stream itself (2 rows a step, file order) would meet
-    only at step ~1450: the run ends with one error line naming file and line, long before, with
+    bad line at line 2900 of 3000, which the stream itself (2 rows a step, file order, 500 lines
+    a read) would meet only at step 1250: the run ends with one error line naming file and line, long before, with
     nothing exported."""
     from conftest import load_script
 
@@ -485,7 +517,7 @@ def test_bad_lazy_line_found_by_the_background_pass(tmp_path, capsys):
     assert code == 2 and len(line) == 1, err[-2000:]
     assert line[0].startswith(f"error: {tmp_path}/data/train.json:2900: ") and "tgt" in line[0], line
     step = int(line[0].split("found by the background check of the train data at training step ")[1].split(";")[0])
-    assert step < 1400, line   # (the stream meets the line at step 1449)
+    assert step < 1250, line   # (the stream reads lines 2501-3000 at step 1250)
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 

@@ -80,23 +80,37 @@ def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, capsys, caplog):
 
 
 def test_bad_line_on_one_rank_ends_every_rank(tmp_path):
-    """Rank 1 meets a bad line of the streamed data in its first batch while rank 0 waits in the
-    step's first collective: both end within seconds, rank 1's error shown by the launcher."""
-    lines = [json.dumps(r) for r in _rows(200)]
-    lines[170] = '{"src": "cut off", "tgt": '          # in rank 1's half of the bytes
+    """lazy_check: false: rank 0's background pass finds a bad line in rank 1's half of the
+    streamed data (rank 1's stream, 500 lines a read, would meet it at its step ~500 of 200) while rank 1 waits in a
+    collective: both end promptly, rank 0's error shown by the launcher; rank 1 says another rank
+    failed, naming rank 0, from the failure marker rank 0 left in output_dir (issue 33: not in
+    /tmp, where nothing new is left)."""
+    import glob
+    import tempfile
+
+    lines = [json.dumps(r) for r in _rows(3000)]
+    lines[2989] = '{"src": "cut off", "tgt": '          # in rank 1's half of the bytes
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.json").write_text("\n".join(lines) + "\n")
+    in_tmp = set(os.listdir(tempfile.gettempdir()))
     t0 = time.time()
     r = launch([SCRIPT, SFT, "--output_dir", str(tmp_path / "out"), "--dataset_name_or_path",
-                str(tmp_path / "data"), "--lazy", "true", "--lazy_check", "false", "--max_steps", "50"] + QUICK,
+                str(tmp_path / "data"), "--lazy", "true", "--lazy_check", "false", "--max_steps", "200"] + QUICK,
                nproc=2, log_dir=tmp_path / "log", timeout=300)
     wall = time.time() - t0
     logs = [open(tmp_path / "log" / f"workerlog.{k}").read() for k in (0, 1)]
     assert r.returncode != 0
     assert wall < 60, wall                                # (a blocked rank would wait for minutes)
-    bad = f"error: {tmp_path}/data/train.json:171: not valid JSON (Expecting value at column 1) (rank 1 of 2)"
-    assert bad in logs[1] and bad in r.stdout + r.stderr  # the launcher shows the failed rank's line
+    bad = f"error: {tmp_path}/data/train.json:2990: not valid JSON (Expecting value at column 1) (found by the background"
+    assert bad in logs[0] and bad in r.stdout + r.stderr, logs[0][-2000:]  # the launcher shows it
+    assert "(rank 0 of 2)" in [x for x in logs[0].splitlines() if x.startswith("error:")][0]
     assert "code 2" in r.stdout + r.stderr
-    assert ("stopped by the launcher" in logs[0]) or ("lost the connection" in logs[0]), logs[0][-2000:]
+    said = [x for x in logs[1].splitlines() if x.startswith("error:")]
+    assert len(said) == 1, logs[1][-2000:]
+    assert ("another rank of this job failed (rank 0:" in said[0]) or ("lost the connection" in said[0]), said
+    assert "stopped by the launcher (SIGTERM) at step" not in logs[1]   # not a user's stop
     assert "Traceback" not in logs[0] + logs[1]
+    marks = glob.glob(str(tmp_path / "out" / ".paddletune-failed-*"))
+    assert len(marks) == 1 and open(marks[0]).read() == "0\n", marks
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - in_tmp if "paddletune" in n]
     assert not os.path.exists(tmp_path / "out" / "config.json")
