@@ -82,28 +82,35 @@ TOKENIZER_CAP = 128 << 20    # tokenizer.json, vocabulary files
 TEMPLATE_CAP = 1 << 20       # a chat template (.jinja / chat_template.json)
 
 
-def read_capped(path, cap=JSON_CAP, what="file"):
-    """The bytes of `path`, refusing anything but a regular file of at most `cap` bytes.
+def open_regular(path, what="file"):
+    """A blocking read-only descriptor of `path`, refusing anything but a regular file.
 
     Symbolic links are followed and the file they end at is checked (fstat of the opened file,
     so the check and the read are on the same file). A FIFO, a device (/dev/zero), a socket or a
-    directory is refused: O_NONBLOCK keeps open() from waiting on a FIFO with no writer. The size
-    is checked by reading at most cap + 1 bytes, not by trusting stat (a file may grow while it is
-    read, and /proc files report size 0)."""
+    directory is refused: O_NONBLOCK keeps open() from waiting on a FIFO with no writer."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {path}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
+        real = os.path.realpath(path)
+        via = f" (a link to {real})" if real != os.path.abspath(path) else ""
+        raise ValueError(f"{path}{via} is {kind}, not a regular file: refusing to read it as "
+                         f"the {what}; put the real file there")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_capped(path, cap=JSON_CAP, what="file"):
+    """The bytes of `path`, refusing anything but a regular file (open_regular) of at most `cap`
+    bytes. The size is checked by reading at most cap + 1 bytes, not by trusting stat (a file may
+    grow while it is read, and /proc files report size 0)."""
+    fd = open_regular(path, what)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
-            real = os.path.realpath(path)
-            via = f" (a link to {real})" if real != os.path.abspath(path) else ""
-            raise ValueError(f"{path}{via} is {kind}, not a regular file: refusing to read it as "
-                             f"the {what}; put the real file there")
-        os.set_blocking(fd, True)
         chunks, left = [], cap + 1
         while left > 0:
             b = os.read(fd, min(left, 1 << 20))

@@ -123,7 +123,8 @@ def adapter_base(path):
     is the adapter's base_model_name_or_path; ValueError when that is missing or the adapter
     type has no generation form."""
     conf = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(conf) or os.path.isfile(os.path.join(path, "config.json")):
+    # lexists: a FIFO / device there is refused by read_json (naming it), not taken for "no adapter"
+    if not os.path.lexists(conf) or os.path.lexists(os.path.join(path, "config.json")):
         return None
     ac = read_json(conf, "adapter_config.json")
     base, kind = ac.get("base_model_name_or_path"), str(ac.get("peft_type", "LORA")).upper()

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 
-from ..io import read_json
+from ..io import TOKENIZER_CAP, read_capped, read_json
 from ..tokenizer import Tokenizer
 
 VOCAB_FILE = "ice_text.model"
@@ -71,11 +71,12 @@ class ChatGLM6BTokenizer(Tokenizer):
         self.path = path
         self.config = self._read_optional("tokenizer_config.json")
         model = os.path.join(path, VOCAB_FILE)
-        if not os.path.exists(model):
+        if not os.path.lexists(model):
             raise FileNotFoundError(f"no {VOCAB_FILE} in {path}: ChatGLM-6B's tokenizer reads THUDM's "
                                     f"{VOCAB_FILE}; copy it from the checkpoint")
+        proto = read_capped(model, TOKENIZER_CAP, "ChatGLM-6B sentencepiece vocabulary")   # FIFO, /dev/zero, huge: refused
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=model)
+            self._sp = spm.SentencePieceProcessor(model_proto=proto)
         except Exception as e:   # sentencepiece raises RuntimeError/OSError on a bad model
             raise ValueError(f"{model} cannot be read as a sentencepiece model ({str(e)[:200]}): "
                              "the file is damaged; copy it again from the checkpoint") from None

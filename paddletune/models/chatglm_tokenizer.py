@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 
+from ..io import CONFIG_CAP, read_capped
 from ..tokenizer import Tokenizer
 
 SPECIALS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop")
@@ -38,9 +39,8 @@ def is_chatglm3(path, config):
     if any(isinstance(t, dict) and t.get("content") in ROLES for t in decl.values()):
         return True
     code = os.path.join(path, REMOTE_CODE)
-    if os.path.exists(code):
-        with open(code, encoding="utf-8", errors="replace") as f:
-            return "<|observation|>" in f.read()
+    if os.path.lexists(code):   # only searched, never run; a FIFO / device / huge file is refused
+        return b"<|observation|>" in read_capped(code, CONFIG_CAP, REMOTE_CODE)
     return False
 
 

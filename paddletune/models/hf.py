@@ -20,12 +20,11 @@ import hashlib
 import json
 import os
 import re
-import stat
 import struct
 
 import numpy as np
 
-from ..io import inside, read_json
+from ..io import inside, open_regular, read_json
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
        "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -58,11 +57,9 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = path
-        if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO would block open(), a device never end
-            raise ValueError(f"{path} is not a regular file (a FIFO, device or directory): refusing "
-                             "to read it as a safetensors file; put the real file there")
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        # a FIFO would block open(), a device never end: refused, naming the file
+        with os.fdopen(open_regular(path, "safetensors file"), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) != 8:
                 raise ValueError(f"{path}: not a safetensors file (too short)")
@@ -83,6 +80,8 @@ class SafetensorsFile:
         for name, info in header.items():
             _check_entry(path, name, info, size - self.offset)
         _check_disjoint(path, header)
+        # bytes past the last tensor are never mapped (a huge file of junk costs no address space)
+        self._end = self.offset + max([info["data_offsets"][1] for info in header.values()] + [0])
         self._mm = None
     def keys(self):
         return list(self.header)
@@ -95,7 +94,7 @@ class SafetensorsFile:
 
     def _raw(self, name):
         if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r", shape=(self._end,))
         info = self.header[name]
         a, b = info["data_offsets"]
         code = info["dtype"]

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 
+from ..io import TOKENIZER_CAP, read_capped
 from ..tokenizer import Tokenizer
 
 VOCAB_FILE = "qwen.tiktoken"
@@ -48,15 +49,15 @@ def bytes_to_unicode():
 def read_ranks(path):
     """{token bytes: rank} from a .tiktoken file; a malformed line raises naming the line."""
     ranks = {}
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
+    # a regular file of at most TOKENIZER_CAP bytes (a FIFO, /dev/zero or a huge file is refused)
+    for lineno, line in enumerate(read_capped(path, TOKENIZER_CAP, "Qwen tiktoken vocabulary").split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: ranks must be 0 .. {len(ranks) - 1}, each once")
     return ranks

@@ -76,8 +76,7 @@ def validate(model_args, model_path):
     model = build_model(cfg)
     if method == "lora":
         if model_args.lora_path:
-            _, modules, _ = lora.read(model_args.lora_path)
-            lora.check_against(model, modules, model_args.lora_path)
+            lora.read(model_args.lora_path, model)   # shapes checked before any tensor is read
         else:
             match_modules(model, model_args.lora_target_modules or list(model.spec.lora_targets),
                           "lora_target_modules")

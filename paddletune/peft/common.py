@@ -8,7 +8,6 @@ Own format (directory):
 HF-PEFT's adapter_config.json is kept for what torch `peft` can load (LoRA, prefix tuning), so
 torch never tries to read a file it does not understand.
 """
-import json
 import os
 import re
 
@@ -126,9 +125,8 @@ def read_builtin_name(adapter_dir, conf):
     if conf.get("paddletune_base_model"):
         return conf["paddletune_base_model"]
     path = os.path.join(adapter_dir, BASE_RECORD)
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f).get("paddletune_base_model")
+    if os.path.lexists(path):
+        return read_json(path, BASE_RECORD).get("paddletune_base_model")
     return None
 
 

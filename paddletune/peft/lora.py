@@ -202,9 +202,17 @@ def save(model, out_dir, base_model_name_or_path=None, tokenizer=None, builtin=N
     return out_dir
 
 
-def read(path):
-    """(config, {module name: (A [r, in], B [out, r])} in torch layout, raw {key: array}) of an
-    HF-PEFT LoRA directory, validated; nothing is loaded into a model here."""
+class _Declared:
+    """A tensor's shape as its safetensors header declares it (nothing read yet)."""
+
+    def __init__(self, shape):
+        self.shape, self.ndim = tuple(shape), len(shape)
+
+
+def read(path, model=None):
+    """(config, {module name: (A [r, in], B [out, r])} in torch layout, raw {key: array}) of an HF-PEFT LoRA directory, validated; nothing is loaded into a model here.
+    Every check runs on the header's shapes (and, given `model`, check_against) before any tensor
+    is read, so a header declaring a huge tensor is refused without allocating it."""
     where = os.path.join(path, CONFIG)
     conf = read_config(path, CONFIG, "LORA", "LoRA adapter")
     unsupported = [(k, v) for k, v in (("use_dora", conf.get("use_dora")),
@@ -232,28 +240,30 @@ def read(path):
                              "re-save it with safe_serialization=True (torch peft's default)")
         raise FileNotFoundError(f"{wpath} not found")
     st = hf.SafetensorsFile(wpath)
-    raw = {k: st.get(k) for k in st.keys()}
     modules = {}
-    for key, arr in raw.items():
+    for key, arr in ((k, _Declared(st.shape(k))) for k in st.keys()):
         body = key[len(hf.PEFT_KEY_PREFIX):] if key.startswith(hf.PEFT_KEY_PREFIX) else None
         if body is None or not (body.endswith(".lora_A.weight") or body.endswith(".lora_B.weight")):
             raise ValueError(f"{wpath}: unexpected tensor {key!r}; only LoRA A/B weights of Linear "
                              "layers are supported (no embedding LoRA, DoRA or extra modules)")
         module, kind = body[:-len(".lora_A.weight")], body[-len("A.weight")]
-        modules.setdefault(module, {})[kind] = arr
+        modules.setdefault(module, {})[kind] = (key, arr)
     out = {}
     for module, ab in modules.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{wpath}: {module} has only lora_{''.join(ab)}; both A and B are needed")
-        A, B = ab["A"], ab["B"]
+        (ka, A), (kb, B) = ab["A"], ab["B"]
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != r or B.shape[1] != r:
             raise ValueError(f"{wpath}: {module} has lora_A {list(A.shape)}, lora_B {list(B.shape)}; "
                              f"expected [r, in] and [out, r] with r = {r}")
-        out[module] = (A, B)
+        out[module] = (A, B, ka, kb)
     if not out:
         raise ValueError(f"{wpath} holds no LoRA tensors")
     conf["_scaling"] = lora_scaling(r, alpha, bool(conf.get("use_rslora")))
-    return conf, out, raw
+    if model is not None:
+        check_against(model, {m: ab[:2] for m, ab in out.items()}, wpath)
+    raw = {k: st.get(k) for k in st.keys()}
+    return conf, {m: (raw[ka], raw[kb]) for m, (_, _, ka, kb) in out.items()}, raw
 
 
 def check_against(model, modules, path):
@@ -277,8 +287,7 @@ def check_against(model, modules, path):
 
 def load(model, path, trainable=False):
     """Wrap the modules named by the adapter at `path` and load its weights. Returns the config."""
-    conf, modules, raw = read(path)
-    check_against(model, modules, path)
+    conf, modules, raw = read(path, model)
     inject(model, list(modules), int(conf["r"]), conf.get("lora_alpha", 8),
            float(conf.get("lora_dropout") or 0.0), bool(conf.get("use_rslora")))
     params = dict(model.named_parameters())
