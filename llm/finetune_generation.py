@@ -25,6 +25,7 @@ from paddletune.data.sft import check_positions
 from paddletune.generation import GenerationConfig, checkpoint_defaults
 from paddletune.models import (check_checkpoint, check_tokenizer, glm_export, load_config,
                                position_limit, resolve_model_path)
+from paddletune.models.memory import footprint
 from paddletune.loading import load_model, load_tokenizer
 from paddletune.parallel.pipeline import check_stages
 from paddletune.parallel.plan import check_layout
@@ -105,7 +106,8 @@ def main(argv=None):
                     train_ds.num_tokens, train_ds.num_target_tokens, ", ".join(train_ds.files))
     # zero padding / lazy data become the Trainer's train_source (None: padded in-memory batches)
     train_source = build_train_source(data_args, args, tok, train_ds, topo) if train_ds is not None else None
-    model = load_model(model_path, topology=topo, quant=quant_args)   # logs the quantized byte ratio
+    model = load_model(model_path, topology=topo, quant=quant_args,   # logs the quantized byte ratio
+                       training=footprint(peft.selected(model_args), model_args, data_args, args))
     model.flash_attention = model_args.use_flash_attention   # packed rows: varlen flash on GPU
     logger.info("loaded %s (%s, %d layers, hidden %d)", model_path, model.config.model_type,
                 model.config.num_hidden_layers, model.config.hidden_size)

@@ -51,17 +51,19 @@ def _check_parallel_layout(path, spec, cfg, topology):
         check_stages(cfg, topology.pp_degree)
 
 
-def load_model(name_or_path, topology=None, quant=None, dtype="float32"):
+def load_model(name_or_path, topology=None, quant=None, dtype="float32", training=None):
     """Load a HF-format checkpoint directory as a paddle model in eval mode.
 
     `topology` (parallel.Topology) says which part of the model this rank holds; every rank of a
     data-parallel layout holds all of it. `quant` (a QuantArgument with weight_quantize_algo set,
     or a quant.QuantConfig) quantizes the frozen Linear weights while they stream in: parameters
     are created under paddle.LazyGuard, so a Linear swapped for a QuantizedLinear never
-    allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md)."""
+    allocates its weight. `dtype`: the parameters' dtype (build_model; docs/gpu.md). `training`:
+    models.memory.footprint(...) of a training run, so the fit check counts gradients, optimizer
+    state and activations too (None: weights only)."""
     path = resolve_model_path(name_or_path)
     spec, cfg = load_config(path)
-    check_fits(path, cfg, topology, quant)   # weights per rank x local ranks vs host memory
+    check_fits(path, cfg, topology, quant, training)   # per rank x local ranks vs host memory
     _check_parallel_layout(path, spec, cfg, topology)
     tp = topology is not None and topology.tp_degree > 1
     pp = topology is not None and topology.pp_degree > 1

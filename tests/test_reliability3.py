@@ -604,3 +604,43 @@ def test_fit_check_refuses_above_host_memory_and_warns_above_80_percent(monkeypa
     caplog.clear()
     monkeypatch.setattr(memory, "host_memory", lambda: 4 * need)
     assert memory.check_fits(path, cfg) == 2 * need and caplog.text == ""
+
+
+def test_training_memory_estimate_hand_worked(monkeypatch, tmp_path, capsys):
+    """Training terms of the fit check against the module docstring's hand-worked tiny-llama
+    numbers; the trainable counts against the built model's (full, and LoRA r 8 on every
+    linear); the CLI refuses full fine-tuning that the stated host cannot hold, naming the
+    numbers and the fixes, before the model is built."""
+    from conftest import load_script
+    from paddletune.models import build_model, load_config, resolve_model_path
+    from paddletune.models import memory
+    from paddletune.peft import lora
+
+    path = resolve_model_path("paddletune/tiny-llama")
+    _, cfg = load_config(path)
+    model = build_model(cfg)
+    assert memory.trainable_values(cfg, "full") == 892032 == sum(int(np.prod(p.shape)) for p in model.parameters())
+    lora.inject(model, [n for n, _ in model.named_sublayers() if n.rsplit(".", 1)[-1] in
+                        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")], 8, 16)
+    real = sum(int(np.prod(p.shape)) for n, p in model.named_parameters() if ".lora_" in n)
+    assert memory.trainable_values(cfg, "lora", 8) == 74752 == real
+    assert memory.training_bytes(cfg, 892032, 2, 128) == {
+        "gradients": 3568128, "optimizer": 7136256, "master": 0, "activations": 14991360}
+    t = memory.training_bytes(cfg, 892032, 2, 128, sharding=2, stage=1, dtype="bfloat16", recompute=True)
+    assert t == {"gradients": 3568128, "optimizer": 3568128, "master": 3568128, "activations": 4 * 256 * (4 * 128 + 1200)}
+    monkeypatch.setenv("PADDLE_LOCAL_SIZE", "1")
+    full = {"method": "full", "batch": 2, "seq": 128}
+    monkeypatch.setattr(memory, "host_memory", lambda: 29263872 - 1)
+    with pytest.raises(MemoryError, match=r"training adds gradients 3568128, optimizer 7136256, activations "
+                                          r"14991360 bytes \(batch 2 x max_length 128, full\): 29263872 bytes"):
+        memory.check_fits(path, cfg, training=full)
+    assert memory.check_fits(path, cfg, training=dict(full, method="lora")) < 29263872 - 1
+    assert memory.check_fits(path, cfg) == 3568128
+    ft = load_script("llm/finetune_generation.py")
+    code = ft.main([SFT, "--output_dir", str(tmp_path / "out"), "--max_steps", "1"] + TRAIN[:-4] + ["--save_strategy", "no"])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(line) == 1 and f"{path}/config.json: the model's weights" in line[0], err[-2000:]
+    assert "training adds gradients 3568128, optimizer 7136256, activations 14991360 bytes" in line[0]
+    assert "a smaller per_device_train_batch_size or max_length, LoRA (lora: true)" in line[0]
+    assert "loaded " not in err
