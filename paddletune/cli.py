@@ -95,8 +95,8 @@ def entry(main):
             if debug():
                 traceback.print_exc()
             code, line = report(e)
-            if world > 1 and not _lost_peer(e):
-                stopping.mark_failed(_world()[1])   # the others' SIGTERM says "another rank failed"
+            if world > 1 and not _lost_peer(e):   # the others' SIGTERM says "another rank failed"
+                stopping.mark_failed(_world()[1], code)   # and exits with this code
             if world > 1 and _lost_peer(e):
                 # another rank failed first and its error is the one to show: the launcher names
                 # the first failed rank it sees, so give it time to see that one and stop this

@@ -14,8 +14,11 @@ Under paddle.distributed.launch (PADDLE_TRAINERS_NUM > 1; PADDLE_TRAINER_ID is t
 launcher answers a user's SIGINT / SIGTERM by sending SIGTERM to every worker (and SIGKILL after
 30 s; its own exit status is paddle's). A rank that fails leaves a marker first (mark_failed), so
 on SIGTERM a rank can tell the two apart: "another rank of this job failed" when a marker of this
-job exists, else "stopped by the launcher at step N ...; rerun the same command to resume"; exit
-143 either way. The marker is output_dir/.paddletune-failed-<job key> (the key: a hash of the
+job exists, exiting with the failed rank's code (2 for bad input), else "stopped by the launcher
+at step N ...; rerun the same command to resume", exit 143. Why the failed rank's code: the
+launcher exits with the code of the first rank, in rank order, that ended non-zero, so a refused
+resume on pipeline stage 1 made the job exit 143 (rank 0's SIGTERM; 241 = -15 before these
+handlers) instead of 2. The marker is output_dir/.paddletune-failed-<job key> (the key: a hash of the
 job's endpoint list, the same on every rank and node; output_dir is locked by the job, and on
 several nodes shared, see outdir.check_shared), so nothing is left in /tmp. A marker older than
 the local launcher's start belongs to an earlier job: it is ignored, and removed by the next
@@ -113,21 +116,22 @@ def start_time(pid):
         return None
 
 
-def mark_failed(rank):
-    """Leave the marker of this job's failure (read by the other ranks' SIGTERM handler) in the
-    job's output_dir; nothing when there is none yet."""
+def mark_failed(rank, code=2):
+    """Leave the marker of this job's failure ("rank code", read by the other ranks' SIGTERM
+    handler) in the job's output_dir; nothing when there is none yet."""
     path = _marker()
     if _world()[0] <= 1 or path is None or not os.path.isdir(os.path.dirname(path)):
         return
     try:
         with open(path, "a") as f:
-            f.write(f"{rank}\n")
+            f.write(f"{rank} {code}\n")
     except OSError:
         pass
 
 
 def _failed_rank():
-    """The rank named by this job's marker, or None (no marker, or one older than the launcher)."""
+    """(rank, exit code) named by this job's marker, or None (no marker, or one older than the
+    launcher)."""
     path = _marker()
     if path is None:
         return None
@@ -136,9 +140,11 @@ def _failed_rank():
         if started is not None and os.stat(path).st_mtime < started - 1:   # btime: 1 s resolution
             return None
         with open(path) as f:
-            return f.readline().strip() or "?"
+            words = f.readline().split()
     except OSError:
         return None
+    code = int(words[1]) if len(words) > 1 and words[1].isdigit() and 0 < int(words[1]) < 256 else 2
+    return (words[0] if words else "?"), code
 
 
 def sweep_markers(output_dir):
@@ -180,9 +186,9 @@ def _on_signal(signum, frame):
     if _LAUNCHER["pid"] and os.getppid() != _LAUNCHER["pid"]:
         _launcher_gone()
     failed = _failed_rank()
-    if failed is not None:
+    if failed is not None:   # the failed rank's code: the launcher reports the lowest rank's
         _leave(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job "
-               f"failed (rank {failed}: its error is above, or in its workerlog)", code)
+               f"failed (rank {failed[0]}: its error is above, or in its workerlog)", failed[1])
     _leave(f"rank {rank} of {world} stopped by the launcher ({name}){where()}", code)
 
 

@@ -197,7 +197,7 @@ def _wait_for(path, proc, ready=None, timeout=240):
     return done()
 
 
-def _start_launch(out, logs, steps):
+def _start_launch(out, logs, steps, *extra):
     import socket
 
     s = socket.socket()
@@ -207,7 +207,7 @@ def _start_launch(out, logs, steps):
     return subprocess.Popen(
         [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--master",
          f"127.0.0.1:{port}", "--log_dir", str(logs), SCRIPT, SFT, "--output_dir", str(out),
-         "--max_steps", str(steps)] + TRAIN, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+         "--max_steps", str(steps)] + TRAIN + list(extra), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -322,8 +322,8 @@ def test_failure_markers_of_earlier_jobs_are_swept_at_claim(tmp_path, monkeypatc
     stopping.job_dir(str(out))
     stopping.mark_failed(1)
     mine = [p for p in out.iterdir() if p.name.startswith(".paddletune-failed-")]
-    assert len(mine) == 1 and mine[0].read_text() == "1\n"
-    assert stopping._failed_rank() == "1"
+    assert len(mine) == 1 and mine[0].read_text() == "1 2\n"
+    assert stopping._failed_rank() == ("1", 2)
     old = out / ".paddletune-failed-0123456789ab"
     old.write_text("0\n")
     os.utime(old, (time.time() - 10 ** 6,) * 2)
@@ -335,6 +335,34 @@ def test_failure_markers_of_earlier_jobs_are_swept_at_claim(tmp_path, monkeypatc
     lock = outdir.claim(str(out))
     outdir.release(lock)
     assert sorted(p.name for p in out.iterdir()) == [mine[0].name]
+
+
+def test_refused_resume_under_pipeline_parallel_exits_2(tmp_path, capsys):
+    """A checkpoint (written by one process) whose shards.json gives a layer-3 tensor a wrong
+    shape, resumed by a 2-stage pipeline job: stage 1 (rank 1, layers 2-3) refuses it; rank 0,
+    waiting for stage 1, is stopped by the launcher and says another rank failed. The job exits
+    2, the code of bad input, not 143 (rank 0's SIGTERM; 241 before the handlers): the launcher
+    reports the lowest rank's code, so rank 0 leaves with the failed rank's."""
+    from conftest import load_script
+
+    out, steps = tmp_path / "out", 4
+    ft = load_script("llm/finetune_generation.py")
+    assert ft.main([SFT, "--output_dir", str(out), "--max_steps", "2"] + TRAIN) == 0
+    capsys.readouterr()
+    shards = out / "checkpoint-2" / "shards.json"
+    index = json.load(open(shards))
+    index["model"]["model.layers.3.input_layernorm.weight"]["global_shape"] = [129]
+    json.dump(index, open(shards, "w"))
+    job = _start_launch(out, tmp_path / "log", steps, "--pipeline_parallel_degree", "2")
+    assert job.wait(timeout=300) == 2
+    logs = [open(tmp_path / "log" / f"workerlog.{r}").read() for r in (0, 1)]
+    errors = [[x for x in log.splitlines() if x.startswith("error:")] for log in logs]
+    assert errors[1] == [f"error: {out}/checkpoint-2: model.layers.3.input_layernorm.weight has shape [129], "
+                         "model has [128] (rank 1 of 2)"], logs[1][-2000:]
+    assert len(errors[0]) == 1 and (errors[0][0].endswith("another rank of this job failed (rank 1: its "
+                                                          "error is above, or in its workerlog) (exit 2)")
+                                    or "lost the connection" in errors[0][0]), logs[0][-2000:]
+    assert "Traceback" not in logs[0] + logs[1]
 
 
 def test_single_process_sigint_is_one_line_exit_130(tmp_path):

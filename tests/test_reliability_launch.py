@@ -111,6 +111,6 @@ def test_bad_line_on_one_rank_ends_every_rank(tmp_path):
     assert "stopped by the launcher (SIGTERM) at step" not in logs[1]   # not a user's stop
     assert "Traceback" not in logs[0] + logs[1]
     marks = glob.glob(str(tmp_path / "out" / ".paddletune-failed-*"))
-    assert len(marks) == 1 and open(marks[0]).read() == "0\n", marks
+    assert len(marks) == 1 and open(marks[0]).read() == "0 2\n", marks
     assert not [n for n in set(os.listdir(tempfile.gettempdir())) - in_tmp if "paddletune" in n]
     assert not os.path.exists(tmp_path / "out" / "config.json")
