@@ -46,7 +46,10 @@ logger = logging.getLogger("paddletune")
 class LazyDataset:
     """Train files + the example builder; rows are tokenised when read. No __len__."""
 
-    def __init__(self, files, builder, check_lines=8, skip_invalid_lines=False, check_all=False):
+    def __init__(self, files, builder, check_lines=8, skip_invalid_lines=False, check_all=False,
+                 background=False):
+        """check_all: every line checked now (rank 0); else the first `check_lines` lines of each
+        file, and with `background` the rest in a background pass (rank 0; module docstring)."""
         self.files = list(files)
         self.sizes = [os.path.getsize(f) for f in self.files]
         self.builder = builder
@@ -65,7 +68,7 @@ class LazyDataset:
                 builder(row, f"{path}:{lineno}")
                 if n + 1 >= check_lines:
                     break
-        if _rank() == 0:
+        if background and _rank() == 0:
             self.start_background_check()
 
     def start_background_check(self):
@@ -76,13 +79,18 @@ class LazyDataset:
         def run():
             t0 = time.time()
             try:
-                self.check_every_line(progress=state)
-                logger.info("lazy_check: the background pass found every train line valid (%.0f s)",
-                            time.time() - t0)
+                if self.check_every_line(progress=state):
+                    logger.info("lazy_check: the background pass found every train line valid (%.0f s)",
+                                time.time() - t0)
             except Exception as e:   # noqa: BLE001 - raised on the main thread at the next step
                 state["error"] = e
             state["done"] = True
         threading.Thread(target=run, name="lazy-check", daemon=True).start()
+
+    def stop_background(self):
+        """End the background pass at its next line (training is over)."""
+        if self.background is not None:
+            self.background["stop"] = True
 
     def raise_background_error(self, step=None):
         """Raise the background pass's error (a DataError naming file and line), if any."""
@@ -110,6 +118,8 @@ class LazyDataset:
                     done += len(line)
                     if progress is not None:
                         progress["checked"] = done
+                        if progress.get("stop"):   # training ended: the pass is not needed
+                            return False
                     if line.strip():
                         where = f"{path}:{lineno}"
                         self.builder(parse_json_line(line, where), where)
@@ -121,6 +131,7 @@ class LazyDataset:
                                     "; lazy_check: false checks in the background instead")
         if time.time() - t0 > progress_s and progress is None:
             logger.info("lazy_check: every train line is valid (%.0f s)", time.time() - t0)
+        return True
 
     def share(self, rank, world):
         """Byte range [lo, hi) of the stream whose lines belong to `rank`."""
@@ -255,16 +266,19 @@ class LazySource:
             for _ in range(start_step * per_step):
                 next(rows)
         step = start_step
-        while True:
-            self.ds.raise_background_error(step)   # lazy_check: false: a bad line found meanwhile
-            taken = [next(rows) for _ in range(per_step)]
-            self._state = taken[-1][1]
-            micro = [self.collate([r for r, _ in taken[i:i + self.micro]]) for i in range(0, per_step, self.micro)]
-            if self.zero_padding and self.rank == 0 and (step - start_step) % 1000 == 0:
-                logger.info("lazy zero padding: efficiency so far %.1f%% (real tokens / computed positions)",
-                            100 * self.efficiency())
-            yield step, micro
-            step += 1
+        try:
+            while True:
+                self.ds.raise_background_error(step)   # lazy_check: false: a bad line found meanwhile
+                taken = [next(rows) for _ in range(per_step)]
+                self._state = taken[-1][1]
+                micro = [self.collate([r for r, _ in taken[i:i + self.micro]]) for i in range(0, per_step, self.micro)]
+                if self.zero_padding and self.rank == 0 and (step - start_step) % 1000 == 0:
+                    logger.info("lazy zero padding: efficiency so far %.1f%% (real tokens / computed positions)",
+                                100 * self.efficiency())
+                yield step, micro
+                step += 1
+        finally:   # the trainer closed the stream (training over, or failed)
+            self.ds.stop_background()
 
     def efficiency(self):
         return self.stats["real_tokens"] / max(self.stats["row_slots"], 1)

@@ -410,8 +410,9 @@ def build_datasets(data_args, tok, do_train=True, do_eval=False):
         files = split_files(root, "train")
         if not files:
             raise DataError(f"no train data in {root}: expected train.json, train.jsonl or train/*.json")
+        check_all = getattr(data_args, "lazy_check", True)
         train = LazyDataset(files, builder, skip_invalid_lines=getattr(data_args, "skip_invalid_lines", False),
-                            check_all=getattr(data_args, "lazy_check", True))
+                            check_all=check_all, background=not check_all)
     else:
         train = load_split(root, "train", tok, data_args, builder=builder) if do_train else None
     dev = load_split(root, "dev", tok, data_args, required=do_eval, builder=builder) if do_eval else None
