@@ -112,6 +112,12 @@ def test_hostile_vocab_and_adapter_files_one_error_each(tmp_path):
     assert len(modules) == 4 and raw[next(iter(raw))].shape == (R, H)
     assert load_tokenizer(_model("paddletune/tiny-qwen")).encode("hello")
     assert load_tokenizer(_model("paddletune/tiny-chatglm6b")).encode("hello")
+    from paddletune.loading import adapter_base   # an adapter directory given as the model
+
+    fifo = _adapter(tmp_path / "fifo-as-model")
+    _fifo(fifo / "adapter_config.json")
+    with pytest.raises(ValueError, match=f"{fifo}/adapter_config.json is a FIFO, not a regular file"):
+        adapter_base(str(fifo))
     procs = {}
     for fname, (where, kinds) in TARGETS.items():
         for kind, (damage, words) in kinds.items():
