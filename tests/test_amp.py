@@ -6,6 +6,7 @@ The place check is faked here, in the tests only: paddle's decorate returns the 
 on a CPU place (paddle/amp/auto_cast.py, amp_decorate: `tracer._expected_place.is_gpu_place()`),
 so `fake_gpu` answers that check (and the capability checks next to it) as a GPU would; the
 casting, excluded layers and multi_precision are then paddle's own code, run on CPU tensors."""
+import contextlib
 import logging
 import sys
 
@@ -53,6 +54,8 @@ def fake_gpu(monkeypatch):
             return getattr(self._inner, key)
 
     monkeypatch.setattr(ac, "_dygraph_tracer", lambda: Tracer(real()))
+    gs = sys.modules["paddle.amp.grad_scaler"]   # GradScaler's own copy of the check
+    monkeypatch.setattr(gs, "_dygraph_tracer", lambda: Tracer(real()))
     monkeypatch.setattr(ac, "_is_gpu_bfloat16_supported", lambda: True)
     monkeypatch.setattr(ac, "_is_gpu_float16_supported", lambda: True)
     monkeypatch.setattr(amp, "amp_settings", lambda fp16, bf16, level: (
@@ -62,7 +65,7 @@ def fake_gpu(monkeypatch):
 
 def _trainer(model, tmp_path, trainable=None, **kw):
     args = training_args(tmp_path / "out", max_steps=2, **kw)
-    return Trainer(model, args, train_dataset=copy_pairs(n=8), trainable=trainable, export_fn=lambda d: None)
+    return Trainer(model, args, train_dataset=copy_pairs(n=8, vocab=500), trainable=trainable, export_fn=lambda d: None)
 
 
 def _is_island(name):
@@ -138,3 +141,151 @@ def test_unsupported_dtype_is_one_line():
         amp.check_supported("float16", (6, 1))
     assert amp_unsupported("bfloat16", (8, 0)) is None and amp_unsupported("float16", (7, 0)) is None
     assert amp_unsupported("bfloat16") is None   # CPU: no check (float32, warned)
+
+
+class StubScaler:
+    """paddle.amp.GradScaler's surface as the Trainer uses it (scale, _unscale, _found_inf,
+    _cache_found_inf, update, _scale). On the _unscale calls numbered in `inf_at` (1-based) it
+    does what an fp16 overflow does: one gradient holds inf and found_inf is set; update() then
+    halves the scale, as GradScaler with decr_every_n_nan_or_inf=1."""
+
+    def __init__(self, inf_at, scale=1024.0):
+        self.inf_at, self.calls = set(inf_at), 0
+        self._scale = paddle.to_tensor(scale, "float32")
+        self._cache_found_inf = False
+
+    def scale(self, loss):   # identity: the gradients are the unscaled run's
+        return loss
+
+    def _unscale(self, view):
+        self.calls += 1
+        grads = [h.grad for h in view._param_groups[0]["params"]]
+        found = self.calls in self.inf_at
+        if found:
+            with paddle.no_grad():
+                grads[0].fill_(float("inf"))
+        self._found_inf = paddle.to_tensor(found)
+
+    def update(self):
+        if self._cache_found_inf:
+            self._scale = self._scale * 0.5
+
+
+def _stub_run(tmp_path, inf_at, steps=6, scale=1024.0, **kw):
+    model = tiny("llama")
+    args = dict(max_steps=steps, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear",
+                per_device_train_batch_size=4)
+    args.update(kw)
+    t = Trainer(model, training_args(tmp_path / "out", **args), train_dataset=copy_pairs(n=8, vocab=500),
+                export_fn=lambda d: None)
+    t.precision.scaler = StubScaler(inf_at, scale)
+    seen = []   # (step, lr, whether the weights changed in this step)
+    last = {"w": model.lm_head.weight.numpy().copy()}
+
+    def cb(trainer, info):
+        w = model.lm_head.weight.numpy()
+        seen.append((info["step"], info["lr"], not np.array_equal(w, last["w"])))
+        last["w"] = w.copy()
+
+    t.callbacks.append(cb)
+    return t, seen
+
+
+def test_skipped_steps_are_counted_logged_and_hold_the_schedule(tmp_path, caplog):
+    """Steps 2 and 3 overflow: their updates are skipped (weights unchanged, AdamW's step count
+    4 of 6), counted (state and log records), logged with the new scale, and not a divergence
+    (their gradient norm is inf); the learning rate does not advance on them (PaddleNLP steps its
+    lr_scheduler only when the optimizer ran): step 4 uses step 2's rate."""
+    from paddletune.trainer.optim import lr_at
+
+    t, seen = _stub_run(tmp_path, inf_at={2, 3})
+    with caplog.at_level(logging.WARNING, logger="paddletune"):
+        t.train()
+    assert [changed for _, _, changed in seen] == [True, False, False, True, True, True]
+    assert t.state["skipped_steps"] == 2 and t.optimizer.t == 4
+    runs = [0, 1, 1, 1, 2, 3]   # updates done before each step
+    assert [lr for _, lr, _ in seen] == [lr_at(r, 6, 1e-3, 0, "linear") for r in runs]
+    recs = [r for r in t.state["log_history"] if "skipped_steps" in r]
+    assert [(r["step"], r["skipped_steps"], r["loss_scale"]) for r in recs] == [
+        (2, 1, 512.0), (4, 1, 256.0), (6, 0, 256.0)]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in recs)
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert lines[0].startswith("step 2 skipped: fp16 gradients overflowed") and "512" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("step 3 skipped")
+
+
+def test_consecutive_skips_stop_the_run(tmp_path):
+    """K = amp_skip_limit skips in a row stop the run with one clear error (here K=3)."""
+    t, seen = _stub_run(tmp_path, inf_at=range(1, 10), amp_skip_limit=3)
+    with pytest.raises(FloatingPointError, match="step 3 under fp16: 3 consecutive steps skipped"):
+        t.train()
+    assert len(seen) == 2 and t.optimizer.t == 0
+
+
+def test_scale_below_one_stops_the_run(tmp_path):
+    t, _ = _stub_run(tmp_path, inf_at={1}, scale=1.0)
+    with pytest.raises(FloatingPointError, match=r"step 1 under fp16: the loss scale fell to 0.5 \(< 1\)"):
+        t.train()
+
+
+class _Topo:
+    world_size, degrees = 2, {"pp": 1}
+
+
+def test_fp16_scaler_is_paddles_and_distributed_over_ranks(fake_gpu, monkeypatch):
+    """fp16: a paddle.amp.GradScaler from scale_loss and the amp_* keys; with two ranks (and
+    fleet's topology) wrapped by fleet.distributed_scaler, so every rank agrees on a skip. bf16:
+    no scaler."""
+    from paddle.distributed import fleet
+
+    calls = []
+    monkeypatch.setattr(fleet, "distributed_scaler", lambda s: calls.append(s) or s)
+    monkeypatch.setattr(fleet.fleet, "_hcg", object(), raising=False)
+    args = training_args("/tmp/unused", fp16=True, scale_loss=4096.0, amp_incr_ratio=3.0,
+                         amp_decr_ratio=0.25, amp_incr_every_n_steps=7, amp_decr_every_n_nan_or_inf=5)
+    p = amp.Precision(args, _Topo())
+    assert isinstance(p.scaler, paddle.amp.GradScaler) and calls == [p.scaler]
+    s = p.scaler
+    assert (s._init_loss_scaling, s._incr_ratio, s._decr_ratio, s._incr_every_n_steps,
+            s._decr_every_n_nan_or_inf) == (4096.0, 3.0, 0.25, 7, 5)
+    assert amp.Precision(args).scaler is not None and len(calls) == 1   # one process: as is
+    assert amp.Precision(training_args("/tmp/unused", bf16=True)).scaler is None
+
+
+def test_paddles_scaler_skips_a_real_overflow_and_unscales_exactly(tmp_path, monkeypatch):
+    """paddle's own GradScaler (its place check faked, as in fake_gpu; compute stays float32):
+    scale_loss 2^127 overflows the first step's scaled loss, the step is skipped and the scale
+    drops to 2^27 (amp_decr_ratio 2^-100); the later steps are scaled and unscaled by powers of
+    two, exactly, so the weights equal a run whose stub skips step 1 and never scales."""
+    gs = sys.modules["paddle.amp.grad_scaler"]
+    real = gs._dygraph_tracer
+
+    class Place:
+        def is_gpu_place(self):
+            return True
+
+    class Tracer:
+        _expected_place = Place()
+
+        def __getattr__(self, key):
+            return getattr(real(), key)
+
+    kw = dict(scale_loss=2.0 ** 127, amp_decr_ratio=2.0 ** -100, amp_decr_every_n_nan_or_inf=1,
+              max_steps=4)
+    t, _ = _stub_run(tmp_path / "real", inf_at=(), **kw)
+    monkeypatch.setattr(gs, "_dygraph_tracer", lambda: Tracer())
+    t.precision.scaler = t.precision._make_scaler(None)
+    monkeypatch.setattr(gs, "_dygraph_tracer", real)
+    # GradScaler.scale turns itself off unless auto_cast ran in float16 (it reads the global AMP
+    # dtype, which auto_cast(dtype="float16") sets on a GPU: amp/auto_cast.py amp_guard); here the
+    # forward runs float32 without auto_cast (it is disabled on CPU anyway) and the dtype is set
+    monkeypatch.setattr(sys.modules["paddle.amp.auto_cast"].amp_global_state(), "amp_dtype", "float16")
+    t.precision.autocast = contextlib.nullcontext
+    assert t.precision.scaler.is_enable()
+    t.train()
+    ref, _ = _stub_run(tmp_path / "ref", inf_at={1}, **kw)
+    ref.train()
+    assert t.state["skipped_steps"] == 1 and t.optimizer.t == 3
+    assert [r["loss_scale"] for r in t.state["log_history"] if "loss_scale" in r] == [2.0 ** 27] * 2
+    for (n, p), (_, q) in zip(t.model.named_parameters(), ref.model.named_parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=n)

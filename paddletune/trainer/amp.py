@@ -98,6 +98,7 @@ class Precision:
         self.skip_limit = int(getattr(args, "amp_skip_limit", 20))
         self.consecutive_skips = 0
         self.decorated = False
+        self.agree_over_world = False
         self.scaler = self._make_scaler(topo) if self.enabled and self.dtype == "float16" else None
 
     @property
@@ -129,10 +130,21 @@ class Precision:
             init_loss_scaling=a.scale_loss, incr_ratio=a.amp_incr_ratio, decr_ratio=a.amp_decr_ratio,
             incr_every_n_steps=a.amp_incr_every_n_steps,
             decr_every_n_nan_or_inf=a.amp_decr_every_n_nan_or_inf)
+        if scaler.is_enable() and list(scaler._scale.shape) == [1]:
+            # paddle 3.3.1's GradScaler._update prints float(self._scale) when it lowers the scale;
+            # with numpy >= 2.3 float() of a [1] tensor raises (only 0-d converts), so the first
+            # lowering would crash the run: the same value held as a 0-d tensor (tests/test_amp.py)
+            scaler._scale = scaler._scale.reshape([])
+        self.agree_over_world = False
         if topo is not None and topo.world_size > 1:
             from paddle.distributed import fleet
 
-            scaler = fleet.distributed_scaler(scaler)   # found-inf all-reduced (MAX) over ranks
+            if getattr(fleet.fleet, "_hcg", None) is not None:   # fleet.init ran (hybrid topology)
+                # found-inf all-reduced (MAX) over the ranks in its _unscale (pure data parallel:
+                # left as is, since the gradients it sees are reduced already, as ours are)
+                scaler = fleet.distributed_scaler(scaler)
+            else:   # no fleet topology: the same MAX all-reduce, done in unscale()
+                self.agree_over_world = True
         return scaler
 
     def scale(self, loss):
@@ -147,9 +159,19 @@ class Precision:
             return False
         view = _GradsView(grads)
         self.scaler._unscale(view)
-        found = bool(self.scaler._found_inf)   # the one host sync per step under fp16 (see above)
+        found_inf = self.scaler._found_inf
+        if self.agree_over_world:   # every rank skips or none (fleet.distributed_scaler's rule)
+            import paddle.distributed as dist
+
+            found_inf = found_inf.astype("int32")
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        found = bool(found_inf.numpy().any())   # the one host sync per step under fp16 (see above)
         self.scaler._cache_found_inf = found
         return found
+
+    def scale_value(self):
+        """The current loss scale, a float (a host read: logging steps and skipped steps only)."""
+        return float(self.scaler._scale.numpy().reshape(-1)[0])
 
     def after_step(self, found, step):
         """Update the scale after a step; on a skipped step log it and stop the run after
@@ -162,7 +184,7 @@ class Precision:
             self.consecutive_skips = 0
             return None
         self.consecutive_skips += 1
-        scale = float(self.scaler._scale)
+        scale = self.scale_value()
         logger.warning("step %d skipped: fp16 gradients overflowed (inf/nan); loss scale now %g "
                        "(%d skipped in a row, limit amp_skip_limit=%d)", step, scale,
                        self.consecutive_skips, self.skip_limit)

@@ -370,7 +370,7 @@ class Trainer:
             self._check_finite(loss, norm, info["lr"])
             rec.update(loss=loss, lr=info["lr"], grad_norm=norm)
         if self.precision.scaler is not None:
-            rec.update(loss_scale=float(self.precision.scaler._scale),
+            rec.update(loss_scale=self.precision.scale_value(),
                        skipped_steps=interval.get("skipped", 0))
         rec.update(tokens_per_sec=round(interval["tokens"] / dt, 1),
                    target_tokens_per_sec=round(interval["targets"] / dt, 1))
