@@ -24,7 +24,7 @@ import paddle
 
 from .. import outdir, parallel, runtime, stopping
 from ..data.collate import BatchPlan, pad_batch
-from ..models.loss import lm_loss_for
+from ..models.loss import causal_lm_loss, lm_loss_for, moe_causal_lm_loss, target_index
 from ..parallel.layout import Parallel
 from . import checkpoint as ckpt
 from . import export, profiling, reporting, resume, summary
@@ -159,6 +159,9 @@ class Trainer:
     def _forward(self, batch):
         """models.loss.LossOutput of one micro-batch (numpy arrays from the collator)."""
         inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in self.batch_keys}
+        if self.loss_fn in (causal_lm_loss, moe_causal_lm_loss) and "labels" in batch:
+            # the labelled positions from the host's labels (a device nonzero would be a sync)
+            inputs["target_index"] = paddle.to_tensor(target_index(batch["labels"]))
         with self.precision.autocast():
             return self.loss_fn(self.model, inputs)
 
