@@ -99,6 +99,15 @@ def test_o2_decorate_casts_all_but_the_float32_islands(fake_gpu, tmp_path, kind,
     assert all(m.dtype == paddle.float32 for m in masters.values())
     n = next(iter(masters))   # the master holds the weight's value (the 16-bit one widened)
     np.testing.assert_array_equal(masters[n].numpy(), params[n].astype("float32").numpy())
+    # paddle keys a 16-bit parameter's moments by its master: the state (and the checkpoint's
+    # "<name>.master") is found for every parameter and loads back (paddle's CPU adamw kernel
+    # is float32 / float64 only, so the 16-bit update itself runs on a GPU: tools/gpu_check.py)
+    tensors, meta = t.optimizer.state_dict()
+    assert {k.rsplit(".", 1)[1] for k in tensors} == {"exp_avg", "exp_avg_sq", "master"}
+    assert {k[:-len(".master")] for k in tensors if k.endswith(".master")} == set(masters)
+    tensors[f"{n}.master"] = tensors[f"{n}.master"] + 1.0
+    t.optimizer.load_state_dict(tensors, meta)
+    np.testing.assert_array_equal(masters[n].numpy(), params[n].astype("float32").numpy() + 1.0)
 
 
 def test_o2_lora_adapters_stay_float32(fake_gpu, tmp_path):

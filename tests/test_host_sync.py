@@ -24,7 +24,9 @@ READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index
 
 @pytest.fixture
 def syncs(monkeypatch):
-    """{what: [call sites]} of host reads made inside Trainer.training_step."""
+    """{what: [call sites]} of host reads made inside Trainer.training_step. Clipping takes its
+    GPU path (DEVICE_CLIP: on CPU it reads the norm, which is free there)."""
+    monkeypatch.setattr(Trainer, "DEVICE_CLIP", True)
     found, inside = {}, [False]
 
     def count(what):
@@ -86,6 +88,17 @@ def test_no_host_sync_in_the_step(tmp_path, syncs, case):
     t = _run(tmp_path, **keys)
     assert t.state["global_step"] == 3
     assert syncs == {}, syncs
+    if case == "sft":   # the device clipping's losses are the host clipping's
+        losses = [r["loss"] for r in t.state["log_history"] if "loss" in r]
+        assert max(r["grad_norm"] for r in t.state["log_history"] if "loss" in r) > 1.0   # it clips
+        Trainer.DEVICE_CLIP = False
+        try:
+            (tmp_path / "ref").mkdir()
+            ref = _run(tmp_path / "ref", **keys)
+        finally:
+            Trainer.DEVICE_CLIP = True
+        assert losses == pytest.approx([r["loss"] for r in ref.state["log_history"] if "loss" in r], rel=1e-6)
+        assert syncs.get("__float__"), syncs   # (and the host path does read the norm)
 
 
 def test_moe_dispatch_reads_once_per_layer_and_micro_batch(tmp_path, syncs):

@@ -84,8 +84,14 @@ class AdamW:
         t.name = f"offload.{n}"
         return t
 
+    def _key(self, t):
+        """The accumulators' key of tensor t: its name, or its float32 master's (paddle keys a
+        16-bit parameter's moments and beta powers by the master under multi_precision)."""
+        master = self.opt._master_weights.get(t.name) if self.opt._multi_precision else None
+        return master.name if master is not None else t.name
+
     def _acc(self, kind, n):
-        return self.opt._accumulators[kind][self.targets[n].name]
+        return self.opt._accumulators[kind][self._key(self.targets[n])]
 
     @property
     def exp_avg(self):
@@ -114,7 +120,7 @@ class AdamW:
                 if g is not None:
                     pairs.append((t, g.cpu().astype("float32") if self.offload else g))
                     for kind, value in pows:
-                        self.opt._accumulators[kind][t.name].fill_(value)
+                        self.opt._accumulators[kind][self._key(t)].fill_(value)
             if pairs:
                 self.opt._apply_optimize(None, None, dict(group, params=pairs))
         if self.offload:

@@ -72,6 +72,8 @@ class Trainer:
       parallel.init(args)). `checkpoint_meta` (JSON-able) is written into every checkpoint as
       meta.json."""
 
+    DEVICE_CLIP = None   # clipping without a host read (_clip): None = on a GPU only
+
     def __init__(self, *positional, **kwargs):
         if positional and isinstance(positional[0], paddle.nn.Layer):
             self._setup(*positional, **kwargs)   # the script's order: (model, args, ...)
@@ -172,7 +174,7 @@ class Trainer:
         scaling skipped the update (gradients overflowed). Host syncs per step (counted by
         tests/test_host_sync.py): none on one process; the token counts summed over ranks before
         the first backward (data parallel: every micro-batch divides by the global count); fp16's
-        found-inf (trainer/amp.py). Clipping scales on the device (no read of the norm)."""
+        found-inf (trainer/amp.py). On a GPU clipping scales on the device (_clip)."""
         tgt_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
         n_local = sum(int(np.sum(b["loss_count"])) for b in micro_batches) if all(
             "loss_count" in b for b in micro_batches) else tgt_local
@@ -200,11 +202,22 @@ class Trainer:
         return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
 
     def _clip(self, grads, norm):
-        """Global-norm clipping, g *= min(1, max_grad_norm / (norm + 1e-6)), on the device: the
-        factor is a tensor (reading the norm would be a host sync every step). Exactly 1.0 when
-        the norm is within the bound, so unclipped gradients are unchanged."""
+        """Global-norm clipping, g *= min(1, max_grad_norm / (norm + 1e-6)). On a GPU (or with
+        DEVICE_CLIP true) the factor stays a device tensor and every gradient is multiplied
+        (exactly by 1.0 when the norm is within the bound): reading the norm would make the host
+        wait for the device every step. On CPU ops run synchronously, so reading the norm costs
+        nothing there and spares a pass over every gradient when no clipping is needed."""
         max_norm = self.args.max_grad_norm
         if not (max_norm and max_norm > 0):
+            return
+        on_device = self.DEVICE_CLIP if self.DEVICE_CLIP is not None else runtime.device() == "gpu"
+        if not on_device:
+            factor = max_norm / (float(norm) + 1e-6)
+            if factor < 1.0:
+                with paddle.no_grad():
+                    for g in grads:
+                        if g is not None:
+                            g.scale_(factor)
             return
         factor = paddle.minimum(max_norm / (norm.astype("float32") + 1e-6), paddle.ones([], "float32"))
         with paddle.no_grad():
