@@ -10,6 +10,7 @@ code: 0 for one process (SFT, LoRA, QLoRA, packed rows); one per MoE layer per m
 (dropless dispatch: the expert token counts size the buffers, models/moe.py); one per step under
 fp16 (found-inf decides whether to update, trainer/amp.py); one per step under data parallel
 (the global target count, trainer.py: not run here, it needs several processes)."""
+import contextlib
 import json
 import os
 import traceback
@@ -22,12 +23,16 @@ from paddletune.trainer import Trainer
 READS = ("numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__", "__array__")
 
 
-@pytest.fixture
-def syncs(monkeypatch):
-    """{what: [call sites]} of host reads made inside Trainer.training_step. Clipping takes its
-    GPU path (DEVICE_CLIP: on CPU it reads the norm, which is free there)."""
-    monkeypatch.setattr(Trainer, "DEVICE_CLIP", True)
-    found, inside = {}, [False]
+@contextlib.contextmanager
+def counting():
+    """Yields {what: [call sites]} of host reads made inside Trainer.training_step while the
+    block runs. Clipping takes its GPU path (DEVICE_CLIP: on CPU it reads the norm, which is free
+    there)."""
+    found, inside, saved = {}, [False], []
+
+    def setattr_(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
     def count(what):
         if inside[0]:
@@ -41,8 +46,9 @@ def syncs(monkeypatch):
         def patched(*a, **k):
             count(name)
             return real(*a, **k)
-        monkeypatch.setattr(owner, name, patched)
+        setattr_(owner, name, patched)
 
+    setattr_(Trainer, "DEVICE_CLIP", True)
     for name in READS:
         wrap(paddle.Tensor, name)
     for name in ("nonzero", "masked_select"):
@@ -55,7 +61,7 @@ def syncs(monkeypatch):
         if any(isinstance(p, paddle.Tensor) and p.dtype == paddle.bool for p in parts):
             count("boolean indexing")
         return real_getitem(self, index)
-    monkeypatch.setattr(paddle.Tensor, "__getitem__", getitem)
+    setattr_(paddle.Tensor, "__getitem__", getitem)
     real_step = Trainer.training_step
 
     def step(self, *a, **k):
@@ -64,17 +70,27 @@ def syncs(monkeypatch):
             return real_step(self, *a, **k)
         finally:
             inside[0] = False
-    monkeypatch.setattr(Trainer, "training_step", step)
-    return found
+    setattr_(Trainer, "training_step", step)
+    try:
+        yield found
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
 
 
-def _run(tmp_path, model="paddletune/tiny-llama", steps=3, **keys):
+@pytest.fixture
+def syncs():
+    with counting() as found:
+        yield found
+
+
+def _run(tmp_path, model="paddletune/tiny-llama", steps=3, args_name="args.json", **keys):
     args = dict(model_name_or_path=model, dataset_name_or_path="paddletune/sample-sft",
                 output_dir=str(tmp_path / "out"), do_train=True, max_steps=steps, logging_steps=2,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2, max_length=64, src_length=32,
                 save_strategy="no", disable_tqdm=True, learning_rate=1e-3, eval_with_do_generation=False)
     args.update(keys)
-    path = tmp_path / "args.json"
+    path = tmp_path / args_name
     path.write_text(json.dumps(args))
     t = Trainer(str(path))
     t.train()
@@ -137,3 +153,26 @@ def _found_inf_line():
 
     src, start = inspect.getsourcelines(amp.Precision.unscale)
     return start + next(i for i, line in enumerate(src) if "found_inf.numpy()" in line)
+
+
+def dp_case(out_dir):
+    """(launched on 2 ranks) the reads of 3 LoRA steps on this rank: {what: [call sites]}."""
+    import pathlib
+
+    os.makedirs(out_dir, exist_ok=True)
+    rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    with counting() as found:
+        t = _run(pathlib.Path(out_dir), lora=True, args_name=f"args-{rank}.json")
+    return {"steps": t.state["global_step"], "data_degree": t.topo.data_degree, "found": found}
+
+
+def test_data_parallel_reads_the_global_target_count_once_per_step(tmp_path):
+    """Under data parallelism each rank reads one value per step: the target-token count summed
+    over the ranks (every micro-batch divides its loss by it; parallel/topology.py)."""
+    from conftest import launch_cases
+
+    out = launch_cases([("dp", "test_host_sync:dp_case", {"out_dir": str(tmp_path / "dp")})], tmp_path)
+    for rank in out["dp"]:
+        assert rank["steps"] == 3 and rank["data_degree"] == 2
+        sites = [s for v in rank["found"].values() for s in v]
+        assert len(sites) == 3 and all("topology.py" in s for s in sites), rank["found"]
