@@ -9,7 +9,7 @@ called) while Trainer.training_step runs; logging, evaluation and checkpoints ru
 code: 0 for one process (SFT, LoRA, QLoRA, packed rows); one per MoE layer per micro-batch
 (dropless dispatch: the expert token counts size the buffers, models/moe.py); one per step under
 fp16 (found-inf decides whether to update, trainer/amp.py); one per step under data parallel
-(the global target count, trainer.py: not run here, it needs several processes)."""
+(the global target count, parallel/topology.py: 2 launched ranks)."""
 import contextlib
 import json
 import os
