@@ -227,8 +227,13 @@ class TrainingArguments:
     fp16: bool = F(False, "float16 AMP on GPU; float32 on CPU (warned)")
     bf16: bool = F(False, "bfloat16 AMP on GPU; float32 on CPU (warned)")
     fp16_opt_level: str = F("O1", "AMP level O0, O1 or O2 (GPU)", choices=["O0", "O1", "O2"])
-    amp_master_grad: bool = F(False, "float32 master gradients under O2 (GPU)", "no_effect", "gradients are float32 on CPU")
-    scale_loss: float = F(32768.0, "initial fp16 loss scale (GPU)")
+    amp_master_grad: bool = F(False, "float32 gradients under O2 (GPU: paddle.amp.decorate's master_grad; CPU trains float32)")
+    scale_loss: float = F(32768.0, "initial fp16 loss scale (GPU; paddle.amp.GradScaler's init_loss_scaling)")
+    amp_incr_ratio: float = F(2.0, "fp16 loss scaling: multiply the scale by this after amp_incr_every_n_steps finite steps in a row (GradScaler's incr_ratio; PaddleNLP exposes scale_loss only)")
+    amp_decr_ratio: float = F(0.5, "fp16 loss scaling: multiply the scale by this after amp_decr_every_n_nan_or_inf overflowed steps (GradScaler's decr_ratio)")
+    amp_incr_every_n_steps: int = F(1000, "fp16 loss scaling: finite steps in a row before the scale grows (GradScaler's incr_every_n_steps)")
+    amp_decr_every_n_nan_or_inf: int = F(2, "fp16 loss scaling: overflowed steps before the scale shrinks (GradScaler's decr_every_n_nan_or_inf)")
+    amp_skip_limit: int = F(20, "fp16: stop the run after this many consecutive skipped (overflowed) steps; it also stops when the loss scale falls below 1")
     recompute: bool = F(False, "recompute activations in backward (less memory, ~1/3 more compute)")
     recompute_granularity: str = F("full", "what recompute recomputes: full (whole decoder layers), full_attn (each attention sub-layer, projections included), core_attn (softmax(q k^T) v only)", choices=["full", "full_attn", "core_attn"])
     disable_tqdm: bool = F(False, "no progress bar")
@@ -261,8 +266,8 @@ class TrainingArguments:
     sequence_parallel: bool = F(False, "Megatron sequence parallelism (activations split along the sequence)", "no_effect", "not built: activations are not split along the sequence (same results, more memory per rank)")
     autotuner_benchmark: bool = F(False, "PaddleNLP's autotuner benchmark mode: benchmark mode for 5 steps")
     release_grads: bool = F(False, "free gradients after each step", "no_effect", "gradients are cleared after every step already")
-    amp_custom_black_list: Optional[str] = F(None, "ops kept in float32 under AMP (GPU)", "no_effect", "no AMP on CPU")
-    amp_custom_white_list: Optional[str] = F(None, "ops forced to low precision under AMP (GPU)", "no_effect", "no AMP on CPU")
+    amp_custom_black_list: Optional[str] = F(None, "ops kept in float32 under AMP, comma- or space-separated paddle op names (GPU; CPU trains float32)")
+    amp_custom_white_list: Optional[str] = F(None, "ops forced to the compute dtype under AMP, comma- or space-separated paddle op names (GPU; CPU trains float32)")
     recompute_use_reentrant: bool = F(False, "reentrant recompute (PaddleNLP)", "no_effect", "recompute has one implementation here")
     distributed_dataloader: bool = F(False, "read data on one rank and broadcast", "no_effect", "every data-parallel rank reads its own share")
     skip_profile_timer: bool = F(True, "false: time each optimizer step's phases (data, forward, backward, communication, optimizer) as PaddleNLP's timers do: logged every logging_steps, every step in output_dir/profile_breakdown.jsonl")
@@ -867,11 +872,17 @@ def _check_best_model(data_args, args, err):
 
 def _check_device(model_args, args, err, warn):
     """What this machine can run: AMP and flash attention warn on CPU, device: gpu needs a GPU."""
-    from .runtime import amp_cpu_warning, device
+    from .runtime import amp_cpu_warning, amp_unsupported, device
 
     for key in ("fp16", "bf16"):
         if getattr(args, key) and device() == "cpu":
             warn(amp_cpu_warning(key))
+        elif getattr(args, key):   # a GPU that cannot run it: paddle's decorate would do nothing
+            msg = amp_unsupported("float16" if key == "fp16" else "bfloat16")
+            if msg:
+                raise ArgumentError(msg)
+    if args.fp16 and args.amp_skip_limit < 1:
+        err("amp_skip_limit", f"must be >= 1, got {args.amp_skip_limit}")
     if args.device == "gpu" and device() != "gpu":
         err("device", "is gpu but paddle sees no GPU (CPU build or no visible device): install "
             "paddlepaddle-gpu (pip install -e .[gpu]) or use device: cpu / auto")

@@ -259,6 +259,28 @@ def amp_settings(fp16=False, bf16=False, fp16_opt_level="O1"):
     return True, ("bfloat16" if bf16 else "float16"), fp16_opt_level
 
 
+def amp_unsupported(dtype, capability=None):
+    """The one-line reason this GPU cannot run `dtype` ("bfloat16" / "float16") under paddle AMP,
+    or None. paddle's rules (amp/auto_cast.py): bfloat16 needs compute capability >= 8.0 (and
+    CUDA >= 11), float16 >= 7.0; below them paddle.amp.decorate returns the model unchanged
+    without a word. capability: (major, minor), default the current GPU's (None on CPU: no check,
+    CPU runs float32 with amp_cpu_warning)."""
+    if capability is None:
+        if device() != "gpu":
+            return None
+        import paddle
+
+        capability = tuple(paddle.device.cuda.get_device_capability())
+    major, minor = capability[0], capability[1]
+    if dtype == "bfloat16" and major < 8:
+        return (f"'bf16' needs compute capability >= 8.0, this GPU has {major}.{minor}; "
+                "use --fp16 true (with loss scaling) instead")
+    if dtype == "float16" and major < 7:
+        return (f"'fp16' needs compute capability >= 7.0, this GPU has {major}.{minor}; "
+                "train in float32 (fp16 and bf16 false)")
+    return None
+
+
 def set_seed(seed):
     import numpy as np
     import paddle

@@ -38,3 +38,16 @@ def test_checks_run_in_float32_on_cpu(capsys):
         assert params and (mode == "sft") == (len(params) == len(list(model.parameters())))
         losses, _ = gpu_check.train_steps(model, params, gpu_check.batch(300, 2, 32), 2)
         assert all(map(math.isfinite, losses)) and losses[1] < losses[0]
+
+
+def test_precision_checks_run_on_cpu(capsys):
+    """check_precision's code runs here (CPU trains float32, so the AMP runs equal the float32
+    one: their loss lines pass; the O2 dtype and fp16 overflow lines fail, naming what they saw)."""
+    rep = gpu_check.Report()
+    gpu_check.check_precision(rep, 2)
+    lines = capsys.readouterr().out.splitlines()
+    loss = [l for l in lines if "step 1 vs float32" in l]
+    assert len(loss) == 4 and all(l.startswith("PASS") for l in loss), lines
+    o2 = [l for l in lines if "float32 masters" in l]
+    assert len(o2) == 2 and all(l.startswith("FAIL") and "0 16-bit" in l for l in o2), lines
+    assert [l.split()[0] for l in lines if "injected overflow" in l] == ["FAIL"]

@@ -11,7 +11,9 @@ What it runs (bfloat16 weights, paddle's fused ops through the op table's gpu co
   3. The table's GPU choices actually taken (models.ops.TAKEN): flash_attention,
      scaled_dot_product_attention, flashmask_attention, fused_rms_norm,
      fused_rotary_position_embedding, swiglu.
-  4. A random-initialised 1B-shaped Llama (TinyLlama-1.1B's shape) SFT / LoRA / nf4 QLoRA steps:
+  4. Mixed precision through the Trainer (check_precision): bf16 / fp16 at O1 / O2 vs float32,
+     O2's 16-bit weights with float32 norms and float32 master weights, an fp16 overflow skipped.
+  5. A random-initialised 1B-shaped Llama (TinyLlama-1.1B's shape) SFT / LoRA / nf4 QLoRA steps:
      tokens/s, MFU (6 * parameters * tokens/s over the device's dense bf16 peak) and peak GPU memory.
 Prints one PASS / FAIL line per check and a table; exit 1 when a check fails.
 On a CPU build of paddle (or without a GPU) it says it needs a GPU and exits 0: nothing to check.
@@ -182,6 +184,61 @@ def check_fused_vs_dense(rep, dtype="bfloat16"):
     rep.check("op table: GPU choices taken", want <= ops.TAKEN, f"missing {sorted(want - ops.TAKEN)}")
 
 
+def amp_trainer(key, level, steps, **keys):
+    """(Trainer after `steps` steps, its logged losses): tiny-llama loaded float32 (as the script
+    loads it), trained through the Trainer with `key` (bf16 / fp16 / None) at `level`."""
+    import tempfile
+
+    import numpy as np
+    import paddle
+
+    from paddletune.args import TrainingArguments
+    from paddletune.loading import load_model
+    from paddletune.trainer import Trainer
+
+    paddle.seed(0)
+    model = load_model("paddletune/tiny-llama")
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": ids, "labels": ids} for ids in rng.integers(3, 500, (16, 64)).tolist()]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps, logging_steps=1,
+                             save_strategy="no", disable_tqdm=True, learning_rate=1e-4, seed=0,
+                             per_device_train_batch_size=4, lr_scheduler_type="constant",
+                             fp16_opt_level=level, **({key: True} if key else {}), **keys)
+    t = Trainer(model, args, train_dataset=rows, export_fn=lambda d: None)
+    t.train()
+    return t, [r["loss"] for r in t.state["log_history"] if "loss" in r]
+
+
+def check_precision(rep, steps):
+    """AMP through the Trainer (trainer/amp.py): O1 / O2 in bf16 and fp16 vs float32 (step-1
+    loss within 2e-2 relative, all finite); under O2 the weights 16-bit but the float32 islands
+    and float32 master weights; an overflow injected under fp16 (scale_loss 2^127) is skipped and
+    the scale lowered (to 2^15, amp_decr_ratio 2^-112), the run going on."""
+    import paddle
+
+    _, ref = amp_trainer(None, "O1", steps)
+    for key in ("bf16", "fp16"):
+        for level in ("O1", "O2"):
+            t, losses = amp_trainer(key, level, steps)
+            ok = len(losses) == steps and all(map(math.isfinite, losses)) and abs(losses[0] - ref[0]) <= 2e-2 * abs(ref[0])
+            rep.check(f"AMP {key} {level}: losses finite, step 1 vs float32", ok,
+                      f"{[round(x, 4) for x in losses]} float32 {[round(x, 4) for x in ref]}")
+            if level == "O2":
+                params = dict(t.model.named_parameters())
+                low = {n for n, p in params.items() if p.dtype in (paddle.bfloat16, paddle.float16)}
+                norms = {n for n in params if n.endswith("norm.weight")}
+                masters = t.optimizer.masters()
+                rep.check(f"AMP {key} O2: norms float32, the rest 16-bit, float32 masters",
+                          low == set(params) - norms and set(masters) == low
+                          and all(m.dtype == paddle.float32 for m in masters.values()),
+                          f"{len(low)} 16-bit, {len(norms)} norms, {len(masters)} masters")
+    t, losses = amp_trainer("fp16", "O2", steps, scale_loss=2.0 ** 127, amp_decr_ratio=2.0 ** -112,
+                            amp_decr_every_n_nan_or_inf=1)
+    scales = [r.get("loss_scale") for r in t.state["log_history"]]
+    rep.check("AMP fp16: injected overflow skipped, scale lowered", t.state.get("skipped_steps") == 1
+              and scales[0] == 2.0 ** 15 and t.optimizer.t == steps - 1, f"scales {scales}")
+
+
 def peak_tflops(given):
     import paddle
 
@@ -240,6 +297,7 @@ def main(argv=None):
     rep.check("op table chose the gpu column", ops.column() == "gpu", ops.column())
     check_fused_vs_dense(rep)
     check_tiny(rep, a.steps)
+    check_precision(rep, a.steps)
     if not a.no_1b:
         check_1b(rep, a.steps, a.seq, a.batch, peak_tflops(a.peak_tflops))
     print(f"\n{rep.failed} check(s) failed" if rep.failed else "\nall checks passed")

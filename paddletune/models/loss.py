@@ -18,6 +18,7 @@ treated as the whole vocabulary.
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
@@ -67,18 +68,29 @@ def linear_head(model, view=None):
     return None
 
 
-def select_targets(hidden, labels):
-    """(h_sel [n, H], targets [n]): hidden rows whose next label is not -100 (shifted by one)."""
+def target_index(labels):
+    """The positions select_targets keeps, computed on the host from the collator's labels
+    (numpy [B, S]): flat indices into labels[:, 1:] where the label is not -100, int64 [n].
+    Example: [[1, 5, -100, 7]] -> [0, 2]. On a GPU, paddle.nonzero of a device tensor makes the
+    host wait for the device (the count sizes the result); the Trainer passes this instead."""
+    lab = np.asarray(labels)
+    return np.flatnonzero(lab[:, 1:].reshape(-1) != -100).astype(np.int64)
+
+
+def select_targets(hidden, labels, index=None):
+    """(h_sel [n, H], targets [n]): hidden rows whose next label is not -100 (shifted by one).
+    index: target_index(labels) as a tensor, when the caller has it (no device nonzero)."""
     H = hidden.shape[-1]
     h = hidden[:, :-1].reshape([-1, H])
     tgt = labels[:, 1:].reshape([-1])
-    idx = paddle.nonzero(tgt != -100).reshape([-1])
+    idx = index if index is not None else paddle.nonzero(tgt != -100).reshape([-1])
     return paddle.gather(h, idx), paddle.gather(tgt, idx)
 
 
-def hidden_loss(model, hidden, labels, keep_logits=False):
-    """LossOutput of final-norm `hidden` [B, S, H] against `labels` [B, S] (see module doc)."""
-    h_sel, t_sel = select_targets(hidden, labels)
+def hidden_loss(model, hidden, labels, keep_logits=False, index=None):
+    """LossOutput of final-norm `hidden` [B, S, H] against `labels` [B, S] (see module doc);
+    index: as select_targets'."""
+    h_sel, t_sel = select_targets(hidden, labels, index)
     n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
     matrix = None if (keep_logits or not model.training) else linear_head(model)
     if matrix is not None and getattr(matrix[0], "is_dist", lambda: False)():
@@ -117,7 +129,7 @@ def causal_lm_loss(model, batch, keep_logits=False):
     against batch["labels"]."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS}
     out = model(**inputs, return_hidden=True)
-    loss = hidden_loss(model, out.hidden_states, batch["labels"], keep_logits)
+    loss = hidden_loss(model, out.hidden_states, batch["labels"], keep_logits, batch.get("target_index"))
     return with_router_loss(model, loss, out.router_logits, batch.get("attention_mask"))
 
 
@@ -155,7 +167,9 @@ def moe_causal_lm_loss(model, batch, keep_logits=False):
     mask = batch.get("attention_mask")
     inputs = {k: v for k, v in batch.items() if k in MODEL_KEYS and k != "attention_mask"}
     out = model(**inputs, return_hidden=True)
-    loss = token_loss(model, out.hidden_states, batch["labels"], keep_logits)
+    index = batch.get("target_index") if token_loss is hidden_loss else None   # (TP: its own)
+    loss = (token_loss(model, out.hidden_states, batch["labels"], keep_logits) if index is None
+            else token_loss(model, out.hidden_states, batch["labels"], keep_logits, index))
     return with_router_loss(model, loss, out.router_logits, mask)
 
 

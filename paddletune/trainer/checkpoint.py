@@ -420,7 +420,10 @@ def clean_temp_dirs(output_dir):
 
 
 def arrays(named_tensors):
-    return {n: np.asarray(t.numpy(), np.float32) for n, t in named_tensors.items()}
+    """{name: float32 numpy copy}. A 16-bit tensor (AMP O2 weights) is widened by paddle first:
+    its .numpy() gives the raw uint16 words, not values."""
+    return {n: np.asarray((t.astype("float32") if t.dtype in (paddle.bfloat16, paddle.float16) else t).numpy(),
+                          np.float32) for n, t in named_tensors.items()}
 
 
 # ------------------------------------------------------------------------------ run facts

@@ -19,6 +19,10 @@ p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update)
   beta1_pow_acc_0 / beta2_pow_acc_0 accumulators) to full-model names keeps the checkpoint format:
   "<name>.exp_avg", "<name>.exp_avg_sq" and the step count; paddle's beta-power accumulators
   are set to b^t from the step count before each step (so a resume needs nothing else).
+- multi_precision (AMP O2, trainer/amp.py): paddle's AdamW keeps a float32 master copy of each
+  16-bit parameter (created with the accumulators, so the parameters must already be 16-bit:
+  decorate runs first) and updates it, then writes the 16-bit parameter from it; checkpoints
+  carry the masters as "<name>.master" (a resume must not restart them from the rounded weights).
 - offload (sharding's "stage1 offload" on a GPU): paddle.optimizer.AdamW has no host-memory
   option for its moments, so paddle's optimizer here runs on float32 host copies of the
   parameters (a float16 / bfloat16 parameter's copy is its float32 master): per step the gradient
@@ -42,7 +46,7 @@ class AdamW:
     exp_avg / exp_avg_sq ({name: moment tensor}), t (steps taken)."""
 
     def __init__(self, named_params, lr_scales=None, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, offload=False):
+                 weight_decay=0.0, offload=False, multi_precision=False):
         self.params = dict(named_params)
         self.b1, self.b2 = betas
         self.offload = offload
@@ -67,7 +71,8 @@ class AdamW:
         self.opt = paddle.optimizer.AdamW(
             learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
             parameters=[{"params": ts, "learning_rate": s} for s, ts in groups.items()],
-            apply_decay_param_fun=lambda pname: decay[pname])
+            apply_decay_param_fun=lambda pname: decay[pname],
+            multi_precision=bool(multi_precision) and not offload)   # (offload keeps its own masters)
         block = paddle.static.default_main_program().global_block()
         for group in self.opt._param_groups:   # moments now (checkpoint load, state accounting)
             self.opt._create_accumulators(block, group)
@@ -79,8 +84,14 @@ class AdamW:
         t.name = f"offload.{n}"
         return t
 
+    def _key(self, t):
+        """The accumulators' key of tensor t: its name, or its float32 master's (paddle keys a
+        16-bit parameter's moments and beta powers by the master under multi_precision)."""
+        master = self.opt._master_weights.get(t.name) if self.opt._multi_precision else None
+        return master.name if master is not None else t.name
+
     def _acc(self, kind, n):
-        return self.opt._accumulators[kind][self.targets[n].name]
+        return self.opt._accumulators[kind][self._key(self.targets[n])]
 
     @property
     def exp_avg(self):
@@ -109,7 +120,7 @@ class AdamW:
                 if g is not None:
                     pairs.append((t, g.cpu().astype("float32") if self.offload else g))
                     for kind, value in pows:
-                        self.opt._accumulators[kind][t.name].fill_(value)
+                        self.opt._accumulators[kind][self._key(t)].fill_(value)
             if pairs:
                 self.opt._apply_optimize(None, None, dict(group, params=pairs))
         if self.offload:
@@ -117,12 +128,19 @@ class AdamW:
                 if n in grads:
                     p.set_value(self.targets[n].astype(p.dtype))
 
+    def masters(self):
+        """{name: float32 master tensor} of the 16-bit parameters under multi_precision."""
+        found = getattr(self.opt, "_master_weights", {}) or {}
+        return {n: found[self.targets[n].name] for n in self.params if self.targets[n].name in found}
+
     def state_dict(self):
-        """{name.exp_avg / name.exp_avg_sq: np.ndarray}, plus the step count (for JSON)."""
+        """{name.exp_avg / name.exp_avg_sq (/ name.master): np.ndarray}, plus the step count."""
         tensors = {}
         for n in self.params:
             tensors[f"{n}.exp_avg"] = self._acc(self.opt._moment1_acc_str, n).numpy()
             tensors[f"{n}.exp_avg_sq"] = self._acc(self.opt._moment2_acc_str, n).numpy()
+        for n, m in self.masters().items():
+            tensors[f"{n}.master"] = m.numpy()
         return tensors, {"step": self.t}
 
     def load_state_dict(self, tensors, meta):
@@ -133,6 +151,9 @@ class AdamW:
                 if key not in tensors:
                     raise ValueError(f"optimizer state lacks {key}: checkpoint from a different setup?")
                 self._acc(kind, n).set_value(np.asarray(tensors[key], np.float32))
+        for n, m in self.masters().items():   # (a checkpoint of a float32 run: masters as created)
+            if f"{n}.master" in tensors:
+                m.set_value(np.asarray(tensors[f"{n}.master"], np.float32))
 
 
 def lr_at(step, total, base_lr, warmup=0, kind="linear", min_lr=0.0):

@@ -8,6 +8,9 @@ import json
 import logging
 import os
 
+import numpy as np
+import paddle
+
 from ..models import check_finite
 from . import checkpoint as ckpt
 
@@ -44,6 +47,9 @@ def resume(t, which):
         raise ValueError(f"{path}: optimizer state lacks {missing[0]}: checkpoint from a different setup?")
     tensors = {f"{n}.{s}": t.par.read_local(reader, n, t.trainable[n], "optimizer", f"{n}.{s}")
                for n in t.optimizer.params for s in ("exp_avg", "exp_avg_sq")}   # owned ones
+    for n in t.optimizer.masters():   # AMP O2: the float32 masters, where the checkpoint has them
+        if f"{n}.master" in reader.index["optimizer"]:
+            tensors[f"{n}.master"] = t.par.read_local(reader, n, t.trainable[n], "optimizer", f"{n}.master")
     t.optimizer.load_state_dict(tensors, state.pop("optimizer"))
     reader.release()
     rngs = state.pop("rng")
@@ -97,6 +103,15 @@ def check_layout(t, state, path):
                          "data with the same number of data-parallel ranks")
 
 
+def assign(tensor, array):
+    """tensor <- array (float32 from a checkpoint), narrowed by paddle for a 16-bit tensor (AMP
+    O2 weights: set_value refuses a float32 array for a bfloat16 parameter)."""
+    if tensor.dtype in (paddle.bfloat16, paddle.float16):
+        tensor.set_value(paddle.to_tensor(np.asarray(array, np.float32)).astype(tensor.dtype))
+    else:
+        tensor.set_value(array)
+
+
 def load_trainable(t, reader, path):
     """Read each trainable tensor's slice from the checkpoint (any layout wrote it)."""
     missing = [n for n in t.trainable if n not in reader.index["model"]]
@@ -108,4 +123,4 @@ def load_trainable(t, reader, path):
         if reader.global_shape(n) != want:
             raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
         if t.par.local(p)._is_initialized():   # released under stage 3: its owner loads it
-            t.par.local(p).set_value(check_finite(t.par.read_local(reader, n, p), n, where=path))
+            assign(t.par.local(p), check_finite(t.par.read_local(reader, n, p), n, where=path))

@@ -24,11 +24,11 @@ import paddle
 
 from .. import outdir, parallel, runtime, stopping
 from ..data.collate import BatchPlan, pad_batch
-from ..models.loss import lm_loss_for
+from ..models.loss import causal_lm_loss, lm_loss_for, moe_causal_lm_loss, target_index
 from ..parallel.layout import Parallel
-from ..runtime import amp_settings
 from . import checkpoint as ckpt
 from . import export, profiling, reporting, resume, summary
+from .amp import Precision
 from .optim import AdamW, lr_at
 
 logger = logging.getLogger("paddletune")
@@ -72,6 +72,8 @@ class Trainer:
       parallel.init(args)). `checkpoint_meta` (JSON-able) is written into every checkpoint as
       meta.json."""
 
+    DEVICE_CLIP = None   # clipping without a host read (_clip): None = on a GPU only
+
     def __init__(self, *positional, **kwargs):
         if positional and isinstance(positional[0], paddle.nn.Layer):
             self._setup(*positional, **kwargs)   # the script's order: (model, args, ...)
@@ -107,16 +109,21 @@ class Trainer:
         self.metric_names = tuple(getattr(self.loss_fn, "metric_names", ()))
         self._metric_acc = None
         self.eval_fn = eval_fn      # optional f(trainer) -> extra metrics (generation eval)
+        # AMP (trainer/amp.py): O2 casts the weights before the optimizer is built, so paddle's
+        # AdamW gives every 16-bit parameter a float32 master (multi_precision)
+        self.precision = Precision(args, self.topo)
+        self.precision.decorate(model)
         self.optimizer = AdamW(self.par.optimizer_params(self.trainable), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
-                               offload=self.par.offload)
+                               offload=self.par.offload,
+                               **({"multi_precision": True} if self.precision.o2 else {}))
         self.par.after_setup(self.trainable)   # sharding stage 3: non-owned values dropped
-        self.amp = amp_settings(args.fp16, args.bf16, args.fp16_opt_level)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
         self.main = self.topo.is_main
         runtime.reuse_freed_memory()   # training speed: no page faults for every new tensor
         self._last_norm, self._last_lr = None, 0.0
+        self.skipped = False        # the last step's update was skipped (fp16 overflow)
         self._weights_at = None     # the step whose weights the model holds (None: not trained here)
         self.generation = generation   # GenerationConfig of predict() (default: greedy, 64 tokens)
         self.reporter = None   # report_to's event files and the PNG (trainer/reporting.py), from train()
@@ -154,15 +161,20 @@ class Trainer:
     def _forward(self, batch):
         """models.loss.LossOutput of one micro-batch (numpy arrays from the collator)."""
         inputs = {k: paddle.to_tensor(v) for k, v in batch.items() if k in self.batch_keys}
-        enabled, dtype, level = self.amp
-        with paddle.amp.auto_cast(enable=enabled, dtype=dtype, level=level):
+        if self.loss_fn in (causal_lm_loss, moe_causal_lm_loss) and "labels" in batch:
+            # the labelled positions from the host's labels (a device nonzero would be a sync)
+            inputs["target_index"] = paddle.to_tensor(target_index(batch["labels"]))
+        with self.precision.autocast():
             return self.loss_fn(self.model, inputs)
 
     def training_step(self, micro_batches, lr):
         """Forward/backward of this rank's micro-batches, DP gradient sum, clip, AdamW.
         Returns (loss: the global batch's mean token loss, a tensor; grad norm, a tensor; target
-        tokens and real tokens of the global batch, floats). Host syncs per step: the token counts
-        (summed over ranks before the first backward) and the gradient norm (for clipping)."""
+        tokens and real tokens of the global batch, floats); self.skipped: whether fp16 loss
+        scaling skipped the update (gradients overflowed). Host syncs per step (counted by
+        tests/test_host_sync.py): none on one process; the token counts summed over ranks before
+        the first backward (data parallel: every micro-batch divides by the global count); fp16's
+        found-inf (trainer/amp.py). On a GPU clipping scales on the device (_clip)."""
         tgt_local = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
         n_local = sum(int(np.sum(b["loss_count"])) for b in micro_batches) if all(
             "loss_count" in b for b in micro_batches) else tgt_local
@@ -177,21 +189,41 @@ class Trainer:
         names = list(self.trainable)
         named = [(n, self.trainable[n]) for n in names]
         grads = self.par.reduce_grads(self.trainable, named, [self.par.grad(p) for _, p in named])
+        self.skipped = self.precision.unscale(grads)   # fp16: unscaled in place; overflowed?
         norm = self.par.grad_norm(named, grads)
+        if not self.skipped:
+            self._clip(grads, norm)
+            self.par.before_update(self.trainable, grads, self.optimizer)
+            self.optimizer.step({n: g for n, g in zip(names, grads) if g is not None}, lr)
+        for p in self.trainable.values():
+            p.clear_gradient(False)
+        if not self.skipped:
+            self.par.after_step(self.trainable)   # sharding: owners' new values to the group
+        return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
+
+    def _clip(self, grads, norm):
+        """Global-norm clipping, g *= min(1, max_grad_norm / (norm + 1e-6)). On a GPU (or with
+        DEVICE_CLIP true) the factor stays a device tensor and every gradient is multiplied
+        (exactly by 1.0 when the norm is within the bound): reading the norm would make the host
+        wait for the device every step. On CPU ops run synchronously, so reading the norm costs
+        nothing there and spares a pass over every gradient when no clipping is needed."""
         max_norm = self.args.max_grad_norm
-        if max_norm and max_norm > 0:
+        if not (max_norm and max_norm > 0):
+            return
+        on_device = self.DEVICE_CLIP if self.DEVICE_CLIP is not None else runtime.device() == "gpu"
+        if not on_device:
             factor = max_norm / (float(norm) + 1e-6)
             if factor < 1.0:
                 with paddle.no_grad():
                     for g in grads:
                         if g is not None:
                             g.scale_(factor)
-        self.par.before_update(self.trainable, grads, self.optimizer)
-        self.optimizer.step({n: g for n, g in zip(names, grads) if g is not None}, lr)
-        for p in self.trainable.values():
-            p.clear_gradient(False)
-        self.par.after_step(self.trainable)   # sharding: owners' new values to the group
-        return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
+            return
+        factor = paddle.minimum(max_norm / (norm.astype("float32") + 1e-6), paddle.ones([], "float32"))
+        with paddle.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.multiply_(factor if g.dtype == paddle.float32 else factor.astype(g.dtype))
 
     def _new_metrics(self):
         return {n: [paddle.zeros([], "float32"), paddle.zeros([], "float32")] for n in self.metric_names}
@@ -233,7 +265,7 @@ class Trainer:
                 # the output is dropped before backward: its label logits ([n, vocab], not needed
                 # by the backward pass) would otherwise stay alive through it
                 del out
-                (loss_sum / max(n_global, 1.0)).backward()
+                self.precision.scale(loss_sum / max(n_global, 1.0)).backward()
                 loss_acc = loss_acc + loss_sum.detach().astype("float32")
             return loss_acc
 
@@ -280,20 +312,26 @@ class Trainer:
         stopping.progress(st["global_step"], a.output_dir)
         while st["global_step"] < total:
             for s, micro in source.iterate(epoch, start):
-                lr = lr_at(st["global_step"], total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
+                # the schedule advances on updates only: a skipped (fp16 overflow) step does not
+                # move it, as PaddleNLP's trainer steps its lr_scheduler only if optimizer_was_run
+                ran = st["global_step"] - st.get("skipped_steps", 0)
+                lr = lr_at(ran, total, a.learning_rate, warmup, a.lr_scheduler_type, a.min_lr)
                 loss, norm, ntgt, ntok = self.training_step(micro, lr)
                 st["global_step"] += 1
+                if self.precision.scaler is not None:
+                    self._after_scaled_step(interval)
                 stopping.progress(st["global_step"], a.output_dir)   # for the stop line (SIGINT / SIGTERM)
                 self._weights_at = st["global_step"]
                 spe = source.steps_per_epoch
                 done = spe is not None and s + 1 == spe
                 st["epoch"], st["step_in_epoch"] = (epoch + 1, 0) if done else (epoch, s + 1)
-                interval["loss"] = interval["loss"] + loss
-                interval["steps"] += 1
+                if not self.skipped:   # a skipped step's loss / norm may be inf: not a divergence
+                    interval["loss"] = interval["loss"] + loss
+                    interval["steps"] += 1
+                    interval["norm"] = norm
+                    self._last_norm, self._last_lr = norm, lr
                 interval["tokens"] += ntok
                 interval["targets"] += ntgt
-                interval["norm"] = norm
-                self._last_norm, self._last_lr = norm, lr
                 info = {"step": st["global_step"], "lr": lr, "micro_batches": micro,
                         "epoch": epoch + (s + 1) / spe if spe else epoch}
                 for cb in self.callbacks:
@@ -312,6 +350,15 @@ class Trainer:
         if self.reporter is not None:
             self.reporter.end_of_training()
         return self.state
+
+    def _after_scaled_step(self, interval):
+        """fp16: the scale updated; a skipped step counted (state["skipped_steps"], the interval's
+        "skipped") and logged; the run stopped after amp_skip_limit skips in a row (amp.py)."""
+        st = self.state
+        self.precision.after_step(self.skipped, st["global_step"])
+        if self.skipped:
+            st["skipped_steps"] = st.get("skipped_steps", 0) + 1
+            interval["skipped"] = interval.get("skipped", 0) + 1
 
     def _maybe_log_eval_save(self, info, interval, epoch_done, total):
         a, st = self.args, self.state
@@ -333,17 +380,21 @@ class Trainer:
     def _log_interval(self, info, interval):
         loss = float(self.topo.all_reduce_sum(interval["loss"].clone())) / max(interval["steps"], 1)
         dt = max(time.time() - interval["t0"], 1e-9)
-        norm = float(interval["norm"])
-        self._check_finite(loss, norm, info["lr"])
-        rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4), "loss": loss,
-               "lr": info["lr"], "grad_norm": norm,
-               "tokens_per_sec": round(interval["tokens"] / dt, 1),
-               "target_tokens_per_sec": round(interval["targets"] / dt, 1)}
+        rec = {"step": self.state["global_step"], "epoch": round(info["epoch"], 4)}
+        if interval["norm"] is not None:   # (None: every step of the interval was skipped)
+            norm = float(interval["norm"])
+            self._check_finite(loss, norm, info["lr"])
+            rec.update(loss=loss, lr=info["lr"], grad_norm=norm)
+        if self.precision.scaler is not None:
+            rec.update(loss_scale=self.precision.scale_value(),
+                       skipped_steps=interval.get("skipped", 0))
+        rec.update(tokens_per_sec=round(interval["tokens"] / dt, 1),
+                   target_tokens_per_sec=round(interval["targets"] / dt, 1))
         rec.update(self._reduce_metrics(self._metric_acc))
         self._metric_acc = self._new_metrics()
         self._record(rec)
         interval.update(loss=paddle.zeros([], "float32"), steps=0, tokens=0.0, targets=0.0,
-                        t0=time.time())
+                        t0=time.time(), norm=None, skipped=0)
 
     def _record(self, rec):
         self.state["log_history"].append(rec)
