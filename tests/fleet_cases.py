@@ -119,3 +119,111 @@ def mp_ops_case(ckpt, tp=2):
             "shims": {k: getattr(v, "__module__", "") for k, v in originals.items()},
             "fleet": fleet_run, "ours": ours_run}
 
+
+def _fingerprint(grads):
+    """Two float64 sums per gradient (plain and position-weighted): equal arrays give equal
+    fingerprints; arrays from different data almost surely do not."""
+    import numpy as np
+
+    out = []
+    for g in grads:
+        a = np.asarray(g, np.float64).reshape(-1)
+        out += [float(a.sum()), float((a * np.arange(1, a.size + 1)).sum())]
+    return out
+
+
+def dp_reducer_case(ckpt, out_dir, fuse_mb=1, accum=2):
+    """Pure DP on paddle.DataParallel: one optimizer step of `accum` micro-batches (different data
+    per rank); a hook on block 0's input gradient snapshots the last block's parameter gradients
+    each micro-batch; the recorder lists what paddletune sent."""
+    from conftest import training_args
+    from dp_worker import variable_length_data
+    from paddletune import parallel, runtime
+    from paddletune.loading import load_model
+    from paddletune.parallel import data as dp_data
+    from paddletune.parallel import recorder
+    from paddletune.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=accum,
+                         max_steps=1, logging_steps=1, max_grad_norm=0.0)
+    topo = parallel.init(args)
+    runtime.set_seed(0)
+    model = load_model(ckpt, topology=topo)
+    blocks = list(model.decoder_layers())
+    last = [p for p in blocks[-1].parameters() if not p.stop_gradient]
+    snaps = []
+
+    def snapshot(grad):
+        snaps.append(_fingerprint([p.grad.numpy() if p.grad is not None else [0.0] for p in last]))
+
+    def pre_hook(layer, inputs):
+        if not inputs[0].stop_gradient:
+            inputs[0].register_hook(snapshot)
+
+    blocks[0].register_forward_pre_hook(pre_hook)
+    with dp_data.fuse_grad_size(fuse_mb):
+        trainer = Trainer(model, args, train_dataset=variable_length_data(16, 0),
+                          trainable={n: p for n, p in model.named_parameters() if not p.stop_gradient},
+                          export_fn=lambda d: None, topology=topo)
+    dp = trainer.par.dp
+    with recorder.record() as log, recorder.tag("train"):
+        trainer.train()
+    big_all_reduces = [e for e in log if e["op"].startswith("all_reduce") and e["level"] == "pg"
+                       and sum(_numel(s) for s in e["shapes"]) >= 64]
+    return {"wrapped": type(dp.wrapped).__name__ if dp else None,
+            "buckets": len(dp.wrapped.group_indices) if dp else 0,
+            "find_unused": dp.find_unused_parameters if dp else None,
+            "snaps": snaps, "big_all_reduces": big_all_reduces,
+            "final": _fingerprint([p.numpy() for p in last])}
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def moe_dead_expert_case(out_dir, micro=2, steps=2, dead=3):
+    """A tiny Mixtral whose routers never pick expert `dead` (its router logit is pushed to
+    -1e4 from outside the model): no token reaches it in any micro-batch, so it gets no gradient.
+    Under pure DP the reducer must be told (find_unused_parameters). Returns the losses, the
+    find_unused flag and the routed-token counts of the dead expert (must be 0)."""
+    import paddle
+
+    from conftest import training_args
+    from moe_ep_cases import copy_data
+    from paddletune import parallel, runtime
+    from paddletune.loading import load_model
+    from paddletune.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=micro, max_steps=steps,
+                         logging_steps=1, max_grad_norm=0.0, adam_epsilon=1e-4)
+    topo = parallel.init(args)
+    runtime.set_seed(0)
+    model = load_model("paddletune/tiny-mixtral", topology=topo)
+    routed = []
+
+    def kill(layer, inputs, logits):
+        mask = paddle.zeros([logits.shape[-1]], logits.dtype)
+        mask[dead] = -1e4
+        out = logits + mask
+        k = model.config.moe["top_k"]
+        routed.append(int((paddle.topk(out, k, axis=-1)[1] == dead).sum()))
+        return out
+
+    for name, m in model.named_sublayers():
+        if name.endswith(".gate") and isinstance(m, paddle.nn.Linear):
+            m.register_forward_post_hook(kill)
+    trainer = Trainer(model, args, train_dataset=copy_data(16, 0),
+                      trainable={n: p for n, p in model.named_parameters() if not p.stop_gradient},
+                      export_fn=lambda d: None, topology=topo)
+    dp = trainer.par.dp
+    trainer.train()
+    losses = None
+    if topo.is_main:   # rank 0 writes the log
+        from paddletune.curves import read_log
+
+        losses = [r["loss"] for r in read_log(out_dir) if "loss" in r]
+    return {"losses": losses, "find_unused": dp.find_unused_parameters if dp else None,
+            "routed_to_dead": sum(routed)}

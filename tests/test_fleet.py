@@ -4,6 +4,7 @@ topology.py's docstring (dp 2 x tp 2) and collectives whose shapes / dtypes / gr
 import json
 import os
 
+import numpy as np
 import pytest
 
 from conftest import launch_cases
@@ -111,3 +112,41 @@ def test_tp2_fleet_mp_ops_move_what_our_pylayers_moved(tp2):
         for n in grads_f:
             assert grads_f[n] == grads_o[n], n
 
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    from conftest import hf_checkpoint
+
+    tmp = tmp_path_factory.mktemp("fleet_dp2")
+    # ~3.5 MB of float32 parameters: several 1 MB buckets (fuse_grad_size_in_MB takes whole MB)
+    ckpt, _ = hf_checkpoint(str(tmp / "ckpt"), hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    return launch_cases([("dp", "fleet_cases:dp_reducer_case",
+                          {"ckpt": ckpt, "out_dir": str(tmp / "out")})], tmp, nproc=2)
+
+
+def test_pure_dp_reduces_in_buckets_during_backward(dp2):
+    r0, r1 = dp2["dp"]
+    assert r0["wrapped"] == r1["wrapped"] == "DataParallel" and r0["find_unused"] is False
+    assert r0["buckets"] >= 2
+    # micro-batch 1 (no_sync): the last block's gradients are this rank's own, different data
+    # -> they differ (the control); micro-batch 2 (reduced): when block 0's input gradient is
+    # formed, the last block's summed gradients have already been all-reduced -> equal
+    assert len(r0["snaps"]) == len(r1["snaps"]) == 2
+    assert r0["snaps"][0] != r1["snaps"][0]
+    assert r0["snaps"][1] == r1["snaps"][1]
+    assert r0["final"] == r1["final"]                    # and the step left equal weights
+    # no gradient all-reduce issued from Python by paddletune (only scalars: token counts)
+    assert r0["big_all_reduces"] == [] and r1["big_all_reduces"] == []
+
+
+def test_pure_dp_moe_with_an_expert_no_token_reaches(tmp_path):
+    from fleet_cases import moe_dead_expert_case
+
+    ref = moe_dead_expert_case(str(tmp_path / "one"), micro=4)      # one process, same global batch
+    two = launch_cases([("moe", "fleet_cases:moe_dead_expert_case",
+                         {"out_dir": str(tmp_path / "two")})], tmp_path, nproc=2)["moe"]
+    assert ref["routed_to_dead"] == 0 and all(r["routed_to_dead"] == 0 for r in two)
+    assert [r["find_unused"] for r in two] == [True, True]
+    assert len(ref["losses"]) == 2 and all(v is not None for v in ref["losses"])
+    np.testing.assert_allclose(two[0]["losses"], ref["losses"], rtol=1e-5)
