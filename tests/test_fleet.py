@@ -150,3 +150,22 @@ def test_pure_dp_moe_with_an_expert_no_token_reaches(tmp_path):
     assert [r["find_unused"] for r in two] == [True, True]
     assert len(ref["losses"]) == 2 and all(v is not None for v in ref["losses"])
     np.testing.assert_allclose(two[0]["losses"], ref["losses"], rtol=1e-5)
+
+
+def test_pure_dp_qlora_nf4_on_dataparallel_equals_one_process(tmp_path):
+    """The DataParallel wrapper broadcasts parameters and buffers at start (the nf4 codes are
+    uint8 buffers) and reduces only LoRA's gradients: same losses / norms as one process with
+    the same global batch (unequal target tokens per rank, clipping active)."""
+    from conftest import hf_checkpoint
+    from tp_cases import train_case
+
+    ckpt, _ = hf_checkpoint(str(tmp_path / "ckpt"))
+    kw = dict(ckpt=ckpt, method="qlora", quant="nf4", accum=2, steps=3, record=False)
+    two = launch_cases([("dp2", "tp_cases:train_case", dict(kw, micro=2, out_dir=str(tmp_path / "dp2")))],
+                       tmp_path, nproc=2)["dp2"]
+    one = train_case(out_dir=str(tmp_path / "one"), micro=4, **kw)
+    assert "data parallel: paddle.DataParallel over 2 ranks" in \
+        open(tmp_path / "launch" / "log" / "workerlog.0").read()
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=2e-5)
+    np.testing.assert_allclose(two[0]["grad_norms"], one["grad_norms"], rtol=1e-4)
+    assert two[0]["grad_norms"][0] > 0.05          # max_grad_norm 0.05: clipping active

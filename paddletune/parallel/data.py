@@ -64,6 +64,9 @@ class DataReducer:
             strategy.fuse_grad_size_in_MB = int(FUSE_GRAD_SIZE_MB)
         wrapped = fleet.distributed_model(model)
         assert isinstance(wrapped, paddle.DataParallel), type(wrapped)
+        logger.info(f"data parallel: paddle.DataParallel over {d['dp']} ranks, gradients reduced "
+                    f"in {len(wrapped.group_indices)} bucket(s) during backward"
+                    + (", find_unused_parameters (MoE)" if strategy.find_unused_parameters else ""))
         return cls(wrapped, d["dp"])
 
     @property
