@@ -22,8 +22,10 @@ mean of dp * g_r is sum_r g_r, the one-process gradient. Nothing else is scaled 
 is the trainer's unscaled sum).
 
 find_unused_parameters is on for Mixture-of-Experts models (an expert no token was routed to in
-a step has no gradient; the reducer then reduces zeros for it instead of waiting forever) and off
-otherwise (it costs a graph traversal per step). Not used here: expert parallel (each rank holds
+a step has no gradient; the reducer then treats it as ready instead of waiting for it) and off
+otherwise (it costs a graph traversal per step). Measured (paddle 3.3.1, gloo, tests/test_fleet.py
+dead-expert case): a run with it off also matched one process, so that test pins the setting but
+cannot show it is needed on this build. Not used here: expert parallel (each rank holds
 other experts: their groups are expert.py's), tensor / pipeline parallel and sharding (their
 gradient reductions stay layout.py's).
 """
