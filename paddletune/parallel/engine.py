@@ -19,8 +19,11 @@ parallel groups). Still ours, created by topology.create_groups: "data" (dp and 
 together: fleet has no such group), and the expert groups "ep" / "ep_data" (topology.py
 docstring: carved out of the data ranks). fleet's EPHybridCommunicateGroup lays its own grid over
 the whole world (paddle 3.3.1 topology.py:770, order pipe, moe_sharding, expert, data, sharding,
-sep, context, model) and replaces HybridCommunicateGroup as the one hcg; it has not been probed
-against our expert groups yet, so those stay ours, through the same create_groups path.
+sep, context, model) and replaces HybridCommunicateGroup as the one hcg; read (not run): its
+expert groups come from a separate [pipe, moe_sharding, expert] grid (topology.py:803-811), i.e.
+experts are carved out of the sharding side, while ours are carved out of the data ranks
+(dp x sharding, with sharding refused under expert parallel). It has not been probed at run time
+against our groups, so those stay ours, through the same create_groups path.
 """
 import contextlib
 import logging
