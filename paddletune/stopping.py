@@ -26,7 +26,9 @@ run's rank 0 when it takes the output_dir lock (sweep_markers). A rank that fail
 arguments are parsed (no output_dir known) leaves no marker: every rank fails the same way then. The launcher starts workers in their own session (os.setsid), so a SIGKILL of the
 launcher (or of its process group) never reaches them: a daemon thread compares getppid() with
 the launcher's PID recorded at start, and PR_SET_PDEATHSIG sends SIGTERM when the launcher dies
-(checked again after setting it: it may already be gone). Either way the rank prints one line,
+(checked again after setting it: it may already be gone); a signal is also handled from a thread
+woken through signal.set_wakeup_fd, so a rank blocked in C++ (a backward all-reducing with a rank
+that already left) leaves too. Either way the rank prints one line,
 releases the lock and leaves with os._exit(143). A single process (e.g. under nohup) is never
 watched: its parent may end by design.
 
@@ -162,8 +164,15 @@ def sweep_markers(output_dir):
     return gone
 
 
+_LEAVING = threading.Lock()
+
+
 def _leave(line, code):
     from . import outdir
+
+    if not _LEAVING.acquire(blocking=False):   # another thread is already leaving (one line)
+        time.sleep(60)
+        return
 
     try:
         sys.stdout.flush()
@@ -174,6 +183,15 @@ def _leave(line, code):
         outdir.release_all()
     except OSError:
         pass
+    if _world()[0] > 1:
+        # the launcher signals every rank at once: let each print its line before any leaves
+        # (a rank's exit breaks a collective its peers are in); a peer whose C++ collective then
+        # fails aborts quietly (SIGABRT default: no paddle crash report after its stop line)
+        try:
+            ctypes.CDLL(None).signal(signal.SIGABRT, 0)
+        except (OSError, AttributeError):
+            pass
+        time.sleep(1.0)
     os._exit(code)
 
 
@@ -190,6 +208,23 @@ def _on_signal(signum, frame):
         _leave(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job "
                f"failed (rank {failed[0]}: its error is above, or in its workerlog)", failed[1])
     _leave(f"rank {rank} of {world} stopped by the launcher ({name}){where()}", code)
+
+
+def _signal_thread(fd):
+    """Launched ranks: the number of a delivered SIGINT / SIGTERM arrives here at once
+    (signal.set_wakeup_fd), so a rank whose main thread waits inside C++ still leaves with its
+    line: a backward whose paddle.DataParallel reducer all-reduces with a rank that has already
+    left would otherwise hold it until gloo's timeout aborts the process (a C++ exception in the
+    reducer's hook), and Python runs its handler only between bytecodes. paddle's backward
+    releases the GIL, so this thread runs meanwhile."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for b in data:
+            if b in (signal.SIGINT, signal.SIGTERM):
+                _on_signal(b, None)
 
 
 def _launcher_gone():
@@ -223,6 +258,10 @@ def install():
         except (OSError, AttributeError):
             pass
         threading.Thread(target=_watch, args=(launcher,), name="launcher-watch", daemon=True).start()
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=_signal_thread, args=(r,), name="signal-wake", daemon=True).start()
     return old
 
 

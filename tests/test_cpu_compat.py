@@ -31,3 +31,67 @@ def test_gloo_group_shim_is_scoped_to_one_call():
         assert collective._new_process_group_impl is not before
     assert collective._new_process_group_impl is before
     # the 4-process grids that need it run in tests/test_tensor_parallel.py (DP2 x TP2)
+
+
+# ---------------------------------------------------------------- fleet's mp_ops (tensor parallel f / g)
+
+def _mp_ops_originals():
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    return (cpu_compat.MP_OPS_ORIGINALS.get("_c_identity", mp_ops._c_identity),
+            cpu_compat.MP_OPS_ORIGINALS.get("_mp_allreduce", mp_ops._mp_allreduce))
+
+
+def test_mp_ops_shims_pin_paddles_signatures():
+    c_identity, mp_allreduce = _mp_ops_originals()
+    assert str(inspect.signature(c_identity)) == str(inspect.signature(cpu_compat.c_identity)) == \
+        "(tensor, group=None, skip_c_identity_dynamic=False)"
+    assert list(inspect.signature(mp_allreduce).parameters) == \
+        list(inspect.signature(cpu_compat.mp_allreduce).parameters) == \
+        ["tensor", "op", "group", "use_calc_stream", "use_model_parallel", "skip_c_identity_dynamic"]
+    assert inspect.signature(mp_allreduce).parameters["use_calc_stream"].default is True
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_c_identity_still_fails_on_cpu():
+    import types
+
+    c_identity, _ = _mp_ops_originals()
+    group = types.SimpleNamespace(id=0, is_member=lambda: True)
+    with pytest.raises(RuntimeError, match="Do not support c_identity for cpu kernel"):
+        c_identity(paddle.ones([2]), group=group)
+    # when this passes, paddle has a CPU kernel: remove the _c_identity shim (cpu_compat.py 3.)
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_mp_allreduce_still_fails_on_gloo(monkeypatch):
+    import socket
+    import types
+
+    from paddle.base import core
+
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = core.TCPStore("127.0.0.1", port, True, 1, 30)
+    pg = core.ProcessGroupGloo.create(store, 0, 1, 9001)      # a real one-rank gloo group
+    group = types.SimpleNamespace(id=9001, process_group=pg, is_member=lambda: True)
+    _, mp_allreduce = _mp_ops_originals()
+    with pytest.raises(NotImplementedError, match="GLOO does not support all_reduce with sync_op "
+                                                  "and use_calc_stream"):
+        mp_allreduce(paddle.ones([2]), group=group)
+    # when this passes, gloo runs calc-stream all-reduces: remove the _mp_allreduce shim
+
+
+def test_nothing_is_patched_on_a_cuda_build(monkeypatch):
+    import paddle.distributed as dist
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    before = (mp_ops._c_identity, mp_ops._mp_allreduce, dist.new_group)
+    assert cpu_compat.install_mp_ops() is False
+    with cpu_compat.fleet_groups(4):
+        assert dist.new_group is before[2]
+    assert (mp_ops._c_identity, mp_ops._mp_allreduce, dist.new_group) == before

@@ -5,6 +5,8 @@
 
 `init` returns an explicit Topology (parallel/topology.py: degrees, this rank's coordinates, its
 process groups, collectives along an axis); nothing about the layout is kept in module state.
+With more than one process, fleet.init runs first (parallel/engine.py) and the dp / pp /
+sharding / tp groups are fleet's HybridCommunicateGroup's; one process alone never imports fleet.
 Data parallel is built: every rank holds the whole model, reads a disjoint share of each global
 batch, and gradients are summed over the data-parallel group (gloo on CPU, NCCL on GPU).
 Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules (their layouts:
@@ -36,21 +38,23 @@ def init(training_args=None):
     degrees = (degrees_from_args(training_args, world) if training_args is not None
                else {"dp": world, "pp": 1, "sharding": 1, "tp": 1})
     ep = expert_degree_from_args(training_args, degrees) if training_args is not None else 1
-    groups = {}
+    groups, hcg = {}, None
     if world > 1:
-        import paddle.distributed as dist
+        from . import engine, recorder
 
-        if not dist.is_initialized():
-            dist.init_parallel_env()
-        groups = _make_groups(rank, degrees, world, ep)
+        recorder.install_from_env(rank)
+        hcg = engine.start_fleet(degrees, world, rank)
+        groups = engine.check_groups(hcg, rank, degrees)
+        groups.update(_make_groups(rank, degrees, world, ep))
     return Topology(world_size=world, rank=rank, degrees=degrees,
-                    coords=coordinates(rank, degrees), groups=groups, ep_degree=ep)
+                    coords=coordinates(rank, degrees), groups=groups, ep_degree=ep, hcg=hcg)
 
 
 def _make_groups(rank, degrees, world, ep=1):
-    """This rank's process group per axis whose groups are proper subsets of the world."""
+    """This rank's process group per axis (not given by fleet: engine.py) whose groups are
+    proper subsets of the world."""
     groups = {}
-    for axis in AXES + ("data", "ep", "ep_data"):
+    for axis in ("data", "ep", "ep_data"):
         size = len(group_ranks(0, degrees, axis, ep))
         if size <= 1 or size == world:
             continue

@@ -11,16 +11,29 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    job's store (the host: that rank's address from PADDLE_TRAINER_ENDPOINTS, 127.0.0.1 when
    absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
    of one new_group call.
+   `fleet_groups(world)` applies the same per-group store to every group fleet.init creates
+   (HybridCommunicateGroup calls paddle.distributed.new_group per axis, check and p2p group).
 2. all-to-all (`alltoall_single`): gloo has none ("ProcessGroupGLOO does not support alltoall");
    on CPU builds an exact emulation by all_gather (every rank's rows and split sizes, each rank
    keeps the blocks addressed to it), so the expert-parallel all-to-all dispatch written for
    NCCL (parallel/expert.py) is tested here. It moves ep x the data: not for speed (CPU runs use
    the all-gather dispatch by default). On CUDA builds it is paddle's alltoall_single.
+3. fleet's tensor-parallel f / g (`fleet.layers.mpu.mp_ops._c_identity`, `_mp_allreduce`):
+   on CPU `_c_identity`'s forward runs the `c_identity` kernel, a stub ("Do not support
+   c_identity for cpu kernel now"), and both run their all-reduce with `use_calc_stream`, which
+   gloo refuses ("ProcessGroupGLOO does not support all_reduce with sync_op and use_calc_stream
+   flag"). `install_mp_ops()` (parallel.init, CPU builds only) replaces the two module functions
+   by PyLayers with the same signatures and math over dist.all_reduce: _c_identity = identity
+   forward, sum of the gradient over the group backward; _mp_allreduce = sum forward, identity
+   backward. Callers that look them up as `mp_ops._c_identity` / `mp_ops._mp_allreduce` (paddle's
+   mp_layers and parallel/tensor.py) run the shim. Nothing relaxed: same group-membership return,
+   same op check (SUM only) as paddle's.
 """
 import contextlib
 import os
 
 import paddle
+from paddle.autograd import PyLayer
 
 
 def _endpoint_host(global_rank):
@@ -37,13 +50,13 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def _own_store(ranks, world):
+def _own_store(ranks, world, whole_world_too=False):
     import paddle.distributed.collective as collective
 
     original = collective._new_process_group_impl
 
     def impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args, **kwargs):
-        if backend == "gloo" and 1 < world_size < world:
+        if backend == "gloo" and 1 < world_size and (whole_world_too or world_size < world):
             # the group's first rank picks a free port and publishes it through the job's store
             key = f"paddletune/group_store/{group_id}"
             if rank == 0:
@@ -73,6 +86,31 @@ def new_group(ranks, world):
         return dist.new_group(ranks)
 
 
+@contextlib.contextmanager
+def fleet_groups(world):
+    """Within the block (fleet.init), paddle.distributed.new_group(ranks, ...) runs through the
+    per-group-store shim of new_group above, groups of the whole world included (fleet creates
+    such groups again when a process starts it a second time with another layout, and a second
+    world-sized group over the job's store repeats the first one's keys). A no-op on CUDA
+    builds."""
+    import paddle.distributed as dist
+
+    if paddle.is_compiled_with_cuda():
+        yield
+        return
+    original = dist.new_group
+
+    def new_group_own_store(ranks=None, *args, **kwargs):
+        with _own_store(sorted(ranks) if ranks else list(range(world)), world, True):
+            return original(ranks, *args, **kwargs)
+
+    dist.new_group = new_group_own_store
+    try:
+        yield
+    finally:
+        dist.new_group = original
+
+
 def alltoall_single(out, x, in_split_sizes, out_split_sizes, group=None):
     """paddle.distributed.alltoall_single(out, x, in_split_sizes, out_split_sizes, group); on a
     build without it (gloo: "ProcessGroupGLOO does not support alltoall") an exact emulation by
@@ -99,3 +137,70 @@ def alltoall_single(out, x, in_split_sizes, out_split_sizes, group=None):
     assert [int(b.shape[0]) for b in blocks] == [int(v) for v in out_split_sizes]
     out.set_value(paddle.concat(blocks) if blocks else out)
     return None
+
+
+class _CIdentity(PyLayer):
+    @staticmethod
+    def forward(ctx, x, group, skip):
+        ctx.group = group
+        return x if skip else x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        import paddle.distributed as dist
+
+        dy = dy.clone()
+        dist.all_reduce(dy, group=ctx.group)
+        return dy
+
+
+class _MpAllReduce(PyLayer):
+    @staticmethod
+    def forward(ctx, x, group):
+        import paddle.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+    """mp_ops._c_identity on gloo: identity forward (a copy, as c_identity; the tensor itself
+    with skip_c_identity_dynamic, as paddle), gradient summed over `group` backward."""
+    if group is not None and not group.is_member():
+        return None
+    return _CIdentity.apply(tensor, group, skip_c_identity_dynamic)
+
+
+def mp_allreduce(tensor, op=0, group=None, use_calc_stream=True, use_model_parallel=True,
+                 skip_c_identity_dynamic=False):
+    """mp_ops._mp_allreduce on gloo: sum over `group` forward (into a new tensor; paddle's writes
+    the input in place and returns it), identity backward."""
+    import paddle.distributed as dist
+    import paddle.distributed.collective as collective
+
+    if group is not None and not group.is_member():
+        return None
+    assert op == dist.ReduceOp.SUM, f"Unknown parameter: {op}."
+    group = collective._get_default_group() if group is None else group
+    return _MpAllReduce.apply(tensor, group)
+
+
+MP_OPS_ORIGINALS = {}
+
+
+def install_mp_ops():
+    """Replace mp_ops._c_identity / _mp_allreduce by the shims above on CPU builds (once per
+    process); returns whether they are installed. Nothing is patched on CUDA builds."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    if not MP_OPS_ORIGINALS:
+        MP_OPS_ORIGINALS.update(_c_identity=mp_ops._c_identity, _mp_allreduce=mp_ops._mp_allreduce)
+    mp_ops._c_identity, mp_ops._mp_allreduce = c_identity, mp_allreduce
+    return True

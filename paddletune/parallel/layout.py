@@ -8,7 +8,8 @@
 It composes this package's helpers: tensor parallel (tensor.py: DTensor slices, vocabulary-
 parallel loss), pipeline stages (pipeline.py), expert parallel / MoE router statistics
 (expert.py), sharding stages 1-3 (sharding.py) and the data-parallel gradient sum
-(Topology.all_reduce_grads). An axis that is off is None here, and with every axis off (one
+(paddle.DataParallel's reducer when data parallel is alone: data.py; else
+Topology.all_reduce_grads). An axis that is off is None here, and with every axis off (one
 process, or plain data parallel) each method is the single-device operation (plus the data-
 parallel sum). The bodies are the Trainer's former per-axis branches, moved unchanged.
 """
@@ -23,11 +24,12 @@ from ..models.loss import hidden_loss_for
 class Parallel:
     """This rank's layout for training. tp: tensor.TensorParallel; pp: pipeline.Pipeline (this
     rank's stage); ep: expert.ExpertParallel (MoE on > 1 data rank); shard: sharding.Sharding;
-    each None when that axis is off."""
+    each None when that axis is off. dp: data.DataReducer, paddle.DataParallel's reducer when
+    the run is data parallel alone (its gradients are reduced during backward)."""
 
-    def __init__(self, model, topo, tp=None, pp=None, ep=None, shard=None):
+    def __init__(self, model, topo, tp=None, pp=None, ep=None, shard=None, dp=None):
         self.model, self.topo = model, topo
-        self.tp, self.pp, self.ep, self.shard = tp, pp, ep, shard
+        self.tp, self.pp, self.ep, self.shard, self.dp = tp, pp, ep, shard, dp
 
     @classmethod
     def for_trainer(cls, model, topo, args, trainable, own_loss=False):
@@ -64,6 +66,10 @@ class Parallel:
         from .sharding import for_trainer
 
         par.shard = for_trainer(args, topo, list(trainable.items()), par.local, model)
+        if par.shard is None and tp is None and pp is None:   # data parallel alone: paddle's reducer
+            from .data import DataReducer
+
+            par.dp = DataReducer.for_model(model, topo, trainable)
         return par, trainable
 
     # ---------------------------------------------------------------- tensors
@@ -115,11 +121,18 @@ class Parallel:
         """The summed loss_sum of this rank's micro-batches: through the pipeline stages' 1F1B
         schedule under PP, else per_micro(micro_batches) (the Trainer's forward + backward)."""
         if self.pp is None:
-            return per_micro(micro_batches)
+            return per_micro(micro_batches) if self.dp is None else self.dp.run(micro_batches, per_micro)
         loss_of = hidden_loss_for(self.model)
         tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in keys} for b in micro_batches]
         acc = self.pp.train_step(tensors, lambda h, b: loss_of(self.model, h, b["labels"]), n_global)
         return self.pp.sum_over_stages(acc)
+
+    def backward_loss(self, loss):
+        """loss.backward(); under paddle.DataParallel with its reducer and scale (data.py)."""
+        if self.dp is None:
+            loss.backward()
+        else:
+            self.dp.backward(loss)
 
     def reduce_grads(self, trainable, named, grads):
         """Gradients summed where ranks hold parts of one: replicated TP heads, a tied embedding
@@ -134,6 +147,8 @@ class Parallel:
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
         if self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
+        elif self.dp is not None:   # paddle's reducer summed them during backward (data.py)
+            pass
         elif self.ep is not None:   # experts' gradients over the ranks holding the same experts
             grads = self.ep.reduce_grads(names, grads)
         else:

@@ -18,9 +18,11 @@ place. Running locally with Megatron's two collectives gives exactly the communi
     f  (copy_to_tp):     forward identity,   backward all-reduce   - the input of a column layer
     g  (reduce_from_tp): forward all-reduce, backward identity     - the output of a row layer
 
-Per decoder layer that is one all-reduce of [tokens, H] after attention and one after the MLP in
-forward, and one per column-layer input group in backward (q/k/v share one: the last input seen
-is remembered, so layers fed the same tensor enter the parallel region once). The vocabulary-
+f and g are fleet's `mp_ops._c_identity` / `_mp_allreduce` over HybridCommunicateGroup's model-
+parallel group (what fleet's ColumnParallelLinear / RowParallelLinear run; on gloo through
+cpu_compat.install_mp_ops). Per decoder layer that is one all-reduce of [tokens, H] after
+attention and one after the MLP in forward, and one per column-layer input group in backward
+(q/k/v share one: the last input seen is remembered, so layers fed the same tensor enter the parallel region once). The vocabulary-
 parallel embedding is a masked local lookup followed by g. LoRA under a column layer runs its A
 (replicated) before f on the rank-r activation; under a row layer its A (split) ends in g on the
 rank-r activation, so adapters add only [tokens, r] all-reduces. Dropout on a split activation
@@ -52,6 +54,8 @@ class TensorParallel:
         self.degree, self.rank = topo.tp_degree, topo.tp_rank
         ranks = topo.ranks("tp")
         self.group = None if len(ranks) == topo.world_size else topo.groups["tp"]
+        # fleet's model-parallel group (mp_ops needs a Group, also when it is the whole world)
+        self.mp_group = topo.hcg.get_model_parallel_group() if topo.hcg is not None else self.group
         self.mesh = dist.ProcessMesh(ranks, dim_names=["tp"])
         self.log = None
         self._memo = (None, None)   # (last column-layer input, its f(.)): q/k/v share one f
@@ -134,14 +138,40 @@ class _ReduceFromTP(PyLayer):
         return dy
 
 
+FLEET_MP_OPS = True   # f / g through fleet's mp_ops; False: the PyLayers above (tests compare)
+
+
+def _mp_ops():
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    return mp_ops
+
+
 def copy_to_tp(x, tp):
-    """f: identity forward, all-reduce of the gradient backward (partial input gradients)."""
-    return _CopyToTP.apply(x, tp) if not x.stop_gradient else x
+    """f: identity forward, all-reduce of the gradient backward (partial input gradients):
+    fleet's mp_ops._c_identity over the model-parallel group (cpu_compat's shim on gloo). `tp.log`
+    records the backward all-reduce when the gradient reaches it."""
+    if x.stop_gradient:
+        return x
+    if not FLEET_MP_OPS:
+        return _CopyToTP.apply(x, tp)
+    y = _mp_ops()._c_identity(x, group=tp.mp_group)
+    if tp.log is not None:
+        log, shape = tp.log, list(x.shape)
+        y.register_hook(lambda g: log.append(("all_reduce_sum", shape)))
+    return y
 
 
 def reduce_from_tp(x, tp):
-    """g: all-reduce forward (partial sums of a row layer), identity backward."""
-    return _ReduceFromTP.apply(x, tp)
+    """g: all-reduce forward (partial sums of a row layer), identity backward: fleet's
+    mp_ops._mp_allreduce over the model-parallel group (cpu_compat's shim on gloo; paddle's own
+    sums `x` in place, so x is always a fresh tensor here)."""
+    if not FLEET_MP_OPS:
+        return _ReduceFromTP.apply(x, tp)
+    if tp.log is not None:
+        tp.log.append(("all_reduce_sum", list(x.shape)))
+    return _mp_ops()._mp_allreduce(x, group=tp.mp_group, use_calc_stream=True,
+                                   use_model_parallel=True)
 
 
 def sliced_dropout(x, p, axis, tp, training=True):

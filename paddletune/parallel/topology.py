@@ -119,13 +119,16 @@ def group_ranks(rank, degrees, axis, ep=1):
 @dataclass
 class Topology:
     """This process's place in the job. Groups are paddle process groups (None = the world group
-    or a single rank); collectives below are no-ops along an axis of degree 1."""
+    or a single rank): dp / pp / sharding / tp are fleet's HybridCommunicateGroup's (`hcg`),
+    data / ep / ep_data ours (engine.py says why); collectives below are no-ops along an axis
+    of degree 1."""
     world_size: int = 1
     rank: int = 0
     degrees: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in AXES})
     coords: Dict[str, int] = field(default_factory=lambda: {a: 0 for a in AXES})
     groups: Dict[str, object] = field(default_factory=dict)
     ep_degree: int = 1   # expert_parallel_degree (parallel/expert.py); 1 = off
+    hcg: object = None   # fleet's HybridCommunicateGroup (parallel/engine.py); None alone
 
     # ---------------------------------------------------------------- degrees and coordinates
     dp_degree = property(lambda self: self.degrees["dp"])

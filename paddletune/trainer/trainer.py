@@ -265,7 +265,7 @@ class Trainer:
                 # the output is dropped before backward: its label logits ([n, vocab], not needed
                 # by the backward pass) would otherwise stay alive through it
                 del out
-                self.precision.scale(loss_sum / max(n_global, 1.0)).backward()
+                self.par.backward_loss(self.precision.scale(loss_sum / max(n_global, 1.0)))
                 loss_acc = loss_acc + loss_sum.detach().astype("float32")
             return loss_acc
 

@@ -1,0 +1,114 @@
+"""Data parallel alone (dp > 1, every other degree 1) on paddle's reducer: fleet.distributed_model
+-> paddle.DataParallel, whose C++ EagerReducer all-reduces gradients in buckets (fleet's
+`fuse_grad_size_in_MB`, last bucket `last_comm_group_size_MB`) during backward, as each bucket's
+gradients become ready, so the reduction overlaps the rest of the backward pass.
+
+    dp = DataReducer.for_model(model, topo, trainable)     # None where it does not apply
+    acc = dp.run(micro_batches, per_micro)                 # the trainer's forward + backward
+    dp.backward(loss)                                      # inside per_micro, instead of loss.backward()
+
+Accumulation: every micro-batch but the last of a step back-propagates without the reducer
+(DataParallel.no_sync: gradients accumulate locally); the last one is prepared as
+DataParallel.forward does (`_reducer.prepare_for_backward(outputs)`, here with the loss itself,
+so that with find_unused_parameters the traversal covers the head too) and its backward reduces
+the accumulated gradients. Each rank runs exactly one reduced backward per step, whatever its
+number of micro-batches (a rank with none back-propagates a zero loss over its parameters).
+
+Paddle averages, paddletune sums. The trainer back-propagates loss_sum_local / N_global (N: the
+global batch's target tokens), so the gradient one process would compute is the SUM over ranks
+of the local gradients g_r. The reducer returns mean_r = (1/dp) sum_r. So `backward` applies the
+factor dp to the local loss: it back-propagates dp * loss_sum_local / N_global, the reducer's
+mean of dp * g_r is sum_r g_r, the one-process gradient. Nothing else is scaled (the logged loss
+is the trainer's unscaled sum).
+
+find_unused_parameters is on for Mixture-of-Experts models (an expert no token was routed to in
+a step has no gradient; the reducer then treats it as ready instead of waiting for it) and off
+otherwise (it costs a graph traversal per step). Measured (paddle 3.3.1, gloo, tests/test_fleet.py
+dead-expert case): a run with it off also matched one process, so that test pins the setting but
+cannot show it is needed on this build. Not used here: expert parallel (each rank holds
+other experts: their groups are expert.py's), tensor / pipeline parallel and sharding (their
+gradient reductions stay layout.py's).
+"""
+import contextlib
+import logging
+
+import paddle
+
+logger = logging.getLogger("paddletune")
+
+FUSE_GRAD_SIZE_MB = None   # None: fleet's default (32 MB); tests set a small one for several buckets
+
+
+class DataReducer:
+    def __init__(self, wrapped, degree):
+        self.wrapped, self.degree = wrapped, degree
+        self._sync = True
+
+    @classmethod
+    def for_model(cls, model, topo, trainable):
+        """The DataParallel wrapper when this run is data parallel alone, else None."""
+        d = topo.degrees
+        if not (d["dp"] > 1 and d["tp"] == d["pp"] == d["sharding"] == 1 and topo.ep_degree == 1
+                and topo.hcg is not None and trainable):
+            return None
+        needing = {id(p) for p in model.parameters() if not p.stop_gradient}
+        if needing != {id(p) for p in trainable.values()}:
+            # the reducer waits for every parameter that is not stop_gradient
+            logger.warning("data parallel: the trainable set differs from the parameters that need "
+                           "gradients; gradients are summed after backward instead of by paddle's "
+                           "reducer")
+            return None
+        from paddle.distributed import fleet
+
+        strategy = fleet.fleet._user_defined_strategy
+        strategy.find_unused_parameters = bool(getattr(model.config, "moe", None))
+        if FUSE_GRAD_SIZE_MB is not None:
+            strategy.fuse_grad_size_in_MB = int(FUSE_GRAD_SIZE_MB)
+        wrapped = fleet.distributed_model(model)
+        assert isinstance(wrapped, paddle.DataParallel), type(wrapped)
+        logger.info(f"data parallel: paddle.DataParallel over {d['dp']} ranks, gradients reduced "
+                    f"in {len(wrapped.group_indices)} bucket(s) during backward"
+                    + (", find_unused_parameters (MoE)" if strategy.find_unused_parameters else ""))
+        return cls(wrapped, d["dp"])
+
+    @property
+    def find_unused_parameters(self):
+        return self.wrapped.find_unused_parameters
+
+    def run(self, micro_batches, per_micro):
+        """per_micro(batches) -> summed loss_sum, called once per micro-batch; the last one with
+        the reducer on (see the module docstring)."""
+        if not micro_batches:   # nothing to read this step: zero gradients, reduced like the others
+            self._sync = True
+            params = [p for p in self.wrapped._layers.parameters() if not p.stop_gradient]
+            self.backward(paddle.add_n([(p * 0).sum() for p in params]))
+            return paddle.zeros([], "float32")
+        acc = None
+        for i, b in enumerate(micro_batches):
+            self._sync = i == len(micro_batches) - 1
+            part = per_micro([b])
+            acc = part if acc is None else acc + part
+        self._sync = True
+        return acc
+
+    def backward(self, loss):
+        """loss.backward() with the factor dp (module docstring); reduced on the step's last
+        micro-batch only."""
+        loss = loss * float(self.degree)
+        if not self._sync:
+            with self.wrapped.no_sync():
+                loss.backward()
+            return
+        self.wrapped._reducer.prepare_for_backward([loss])
+        loss.backward()
+
+
+@contextlib.contextmanager
+def fuse_grad_size(mb):
+    """Tests: buckets of `mb` MB for the DataParallel built within the block."""
+    global FUSE_GRAD_SIZE_MB
+    before, FUSE_GRAD_SIZE_MB = FUSE_GRAD_SIZE_MB, mb
+    try:
+        yield
+    finally:
+        FUSE_GRAD_SIZE_MB = before
