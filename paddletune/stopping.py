@@ -167,7 +167,7 @@ def sweep_markers(output_dir):
 _LEAVING = threading.Lock()
 
 
-def _leave(line, code):
+def _leave(line, code, grace=True):
     from . import outdir
 
     if not _LEAVING.acquire(blocking=False):   # another thread is already leaving (one line)
@@ -183,7 +183,7 @@ def _leave(line, code):
         outdir.release_all()
     except OSError:
         pass
-    if _world()[0] > 1:
+    if _world()[0] > 1 and grace:
         # the launcher signals every rank at once: let each print its line before any leaves
         # (a rank's exit breaks a collective its peers are in); a peer whose C++ collective then
         # fails aborts quietly (SIGABRT default: no paddle crash report after its stop line)
@@ -206,7 +206,8 @@ def _on_signal(signum, frame):
     failed = _failed_rank()
     if failed is not None:   # the failed rank's code: the launcher reports the lowest rank's
         _leave(f"error: rank {rank} of {world} stopped by the launcher: another rank of this job "
-               f"failed (rank {failed[0]}: its error is above, or in its workerlog)", failed[1])
+               f"failed (rank {failed[0]}: its error is above, or in its workerlog)", failed[1],
+               grace=False)   # no grace: after a failure the launcher kills what is left 3 s later
     _leave(f"rank {rank} of {world} stopped by the launcher ({name}){where()}", code)
 
 
