@@ -424,6 +424,10 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
             return _packed_attention(q, k, v, bias, dropout, training, scale, False, dropout_fn, alibi,
                                      plain=True)
         return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi, plain=True)
+    if not (flash and "gpu" in str(q.place).lower()):   # the op table's CPU attention row
+        out = ops.cpu_attention(q, k, v, bias, dropout, training, scale, alibi, dropout_fn)
+        if out is not None:
+            return out
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn, alibi)
     return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi)
