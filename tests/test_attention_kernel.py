@@ -2,7 +2,7 @@
 against the dense reference attention (models/layers._dense_attention: [B, K, g*S, T] scores,
 masked_fill + softmax): values and the gradients of q, k and v, max|d| / max|ref| <= 1e-5 per
 tensor, over causal, padding, packed rows, grouped KV heads, past keys, no mask, odd lengths
-across the kernel's 64-row / 128-key blocks, one-token rows and fully blocked rows; and a Qwen3
+across the kernel's 64-row / 256-key blocks, one-token rows and fully blocked rows; and a Qwen3
 model (GQA) whose loss and gradients with the kernel equal the dense path's and transformers'."""
 import numpy as np
 import paddle
@@ -59,8 +59,8 @@ def segment_mask(seg):
 
 
 # name -> (B, N, K, S, past, D)
-SHAPES = {"causal_gqa_odd": (2, 4, 2, 151, 0, 16), "mha_one_block": (1, 2, 2, 37, 0, 8),
-          "mqa_past_keys": (2, 4, 1, 70, 61, 16), "one_token": (3, 4, 2, 1, 0, 16)}
+SHAPES = {"causal_gqa_odd": (2, 4, 2, 301, 0, 16), "mha_one_block": (1, 2, 2, 37, 0, 8),
+          "mqa_past_keys": (2, 4, 1, 70, 261, 16), "one_token": (3, 4, 2, 1, 0, 16)}
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -81,10 +81,10 @@ def test_causal_and_no_mask_equal_dense(name):
 def test_padding_masks_with_fully_blocked_rows_equal_dense():
     """attention_bias with left and right padding, one row all padding: left-pad queries see no
     key (uniform weights over all T keys, as the reference), the padded row everywhere."""
-    B, N, K, S, D = 3, 4, 2, 133, 16
+    B, N, K, S, D = 3, 4, 2, 263, 16
     am = np.ones((B, S), np.int64)
     am[0, :5] = 0          # left padding: queries 0..4 see nothing (causal)
-    am[1, 100:] = 0        # right padding
+    am[1, 200:] = 0        # right padding
     am[2, :] = 0           # a row of padding only
     bias = layers.attention_bias(B, S, 0, paddle.to_tensor(am))
     q, k, v = qkv(B, N, K, S, S, D, seed=3)
@@ -96,11 +96,11 @@ def test_padding_masks_with_fully_blocked_rows_equal_dense():
 
 
 def test_packed_rows_equal_block_diagonal_dense():
-    """PackedRows (zero padding) through the op table: examples of 1, 2, 70, 130 ... tokens, some
+    """PackedRows (zero padding) through the op table: examples of 1, 2, 70, 260 ... tokens, some
     crossing the kernel's blocks; the reference is dense attention with a numpy block-diagonal
     causal mask."""
-    S = 200
-    lens = [[1, 70, 1, 2, 126], [130, 1, 69]]
+    S = 300
+    lens = [[1, 70, 1, 2, 226], [260, 1, 39]]
     seg = np.array([np.repeat(np.arange(len(r)), r) for r in lens])
     layout = layers.PackedRows(paddle.to_tensor(seg))
     q, k, v = qkv(2, 4, 2, S, S, 8, seed=5)
@@ -155,3 +155,13 @@ def test_qwen3_loss_and_grads_with_kernel_equal_dense_and_transformers(tmp_path,
     assert grads.keys() == dense_grads.keys() and len(grads) > 5
     errs = {n: rel(grads[n], dense_grads[n]) for n in grads}
     assert max(errs.values()) <= 1e-5, sorted(errs.items(), key=lambda x: -x[1])[:3]
+
+
+def test_all_ones_attention_mask_is_the_plain_causal_mask():
+    """A batch without padding takes the kernel's causal path (no [B, 1, S, T] mask); one pad
+    token keeps the mask."""
+    ones = paddle.ones([2, 9], "int64")
+    assert layers.is_plain_causal(layers.attention_bias(2, 9, 0, ones), 9)
+    ones[1, 8] = 0
+    bias = layers.attention_bias(2, 9, 0, ones)
+    assert not layers.is_plain_causal(bias, 9) and bool(bias[1, 0, :, 8].all())

@@ -38,7 +38,7 @@
 namespace {
 
 constexpr int64_t BR = 64;    // query rows per block
-constexpr int64_t BC = 128;   // keys per block: a [BR, BC] score block (32 KB) stays in L2
+constexpr int64_t BC = 256;   // keys per block: a [BR, BC] score block (64 KB) stays in L2
 
 // exp(x) for x <= 0 (clamped at -80); the polynomial of cpu_kernels.cc's exp_neg.
 inline float exp_le0(float x) {
@@ -106,6 +106,12 @@ void gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* A, int64_t 
         C[r * ldc + j] = alpha * acc + (beta != 0.f ? beta * C[r * ldc + j] : 0.f);
       }
   };
+  for (; i + 6 <= m; i += 6) {   // 12 accumulators: enough in flight to cover FMA latency
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) tile<6, 2>(k, alpha, A + i * lda, lda, B + j, ldb, beta, C + i * ldc + j, ldc);
+    for (; j + 8 <= n; j += 8) tile<6, 1>(k, alpha, A + i * lda, lda, B + j, ldb, beta, C + i * ldc + j, ldc);
+    rest(i, 6, j);
+  }
   for (; i + 4 <= m; i += 4) {
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) tile<4, 2>(k, alpha, A + i * lda, lda, B + j, ldb, beta, C + i * ldc + j, ldc);
@@ -176,6 +182,11 @@ struct Problem {
   }
   // set blocked scores of the [rows, cols] block at (i0, j0) to -inf; false if all are blocked
   bool apply(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols, float* s) const {
+    if (!mask && (!causal || j0 + cols - 1 <= i0 + past)) {   // below the diagonal: open unless packed
+      bool open = true;
+      for (int64_t r = 0; starts && r < rows; ++r) open &= starts[b * S + i0 + r] <= j0;
+      if (open) return true;
+    }
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
@@ -214,15 +225,19 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
   auto lse = paddle::empty({B, N, S}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>();
   float *op = out.data<float>(), *lp = lse.data<float>();
+  // k^T [B, K, D, T], made once: every query block's score product reads its key blocks from it
+  std::vector<float> ktall(static_cast<size_t>(B * P.K * D * T));
+  std::atomic<int64_t> kdone{0};
+#pragma omp parallel
+  for (int64_t bk = kdone++; bk < B * P.K; bk = kdone++) transpose(kp + bk * T * D, T, D, D, ktall.data() + bk * D * T);
   std::atomic<int64_t> next{0};   // tasks are claimed from this counter, see kTasksNote
 #pragma omp parallel
   {
-    std::vector<float> sb(BR * BC), kt(D * BC), acc(BR * D), m(BR), l(BR), mean(D);
+    std::vector<float> sb(BR * BC), acc(BR * D), m(BR), l(BR), mean(D);
     for (int64_t task = next++; task < B * N * nqb; task = next++) {
       const int64_t b = task / (N * nqb), n = (task / nqb) % N, i0 = (task % nqb) * BR;
       const int64_t rows = std::min(BR, S - i0);
       const float* qi = qp + ((b * N + n) * S + i0) * D;
-      const float* kb = kp + (b * P.K + n / P.g) * T * D;
       const float* vb = vp + (b * P.K + n / P.g) * T * D;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
@@ -233,13 +248,13 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
         const int64_t cols = std::min(BC, T - j0);
         float* s = sb.data();
         if (!P.mask_open(b, i0, rows, j0, cols)) continue;
-        transpose(kb + j0 * D, cols, D, D, kt.data());
-        gemm(rows, cols, D, scale, qi, D, kt.data(), cols, 0.f, s, cols);
+        gemm(rows, cols, D, scale, qi, D, ktall.data() + (b * P.K + n / P.g) * D * T + j0, T, 0.f, s, cols);
         if (!P.apply(b, i0, rows, j0, cols, s)) continue;
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s + r * cols;
           float bm = -INFINITY;
-          for (int64_t c = 0; c < cols; ++c) bm = sr[c] > bm ? sr[c] : bm;
+#pragma omp simd reduction(max : bm)
+          for (int64_t c = 0; c < cols; ++c) bm = std::max(bm, sr[c]);
           const float mn = bm > m[r] ? bm : m[r];
           if (mn == -INFINITY) {   // nothing open in this row yet: p = 0
             std::fill(sr, sr + cols, 0.f);
@@ -256,6 +271,7 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
           l[r] = l[r] * corr + sum;
           m[r] = mn;
           float* ar = acc.data() + r * D;
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
         }
         gemm(rows, D, cols, 1.f, s, cols, vb + j0 * D, D, 1.f, acc.data(), D);
