@@ -225,11 +225,14 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
   auto lse = paddle::empty({B, N, S}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float *qp = q.data<float>(), *kp = k.data<float>(), *vp = v.data<float>();
   float *op = out.data<float>(), *lp = lse.data<float>();
-  // k^T [B, K, D, T], made once: every query block's score product reads its key blocks from it
+  // k^T per key block, made once: panel (b, kv head, block at j0) = [D, cols] at offset
+  // (b K + kv) T D + j0 D, row stride cols (not T: a 4 KB-multiple stride thrashes L1 sets)
   std::vector<float> ktall(static_cast<size_t>(B * P.K * D * T));
   std::atomic<int64_t> kdone{0};
 #pragma omp parallel
-  for (int64_t bk = kdone++; bk < B * P.K; bk = kdone++) transpose(kp + bk * T * D, T, D, D, ktall.data() + bk * D * T);
+  for (int64_t bk = kdone++; bk < B * P.K; bk = kdone++)
+    for (int64_t j0 = 0; j0 < T; j0 += BC)
+      transpose(kp + bk * T * D + j0 * D, std::min(BC, T - j0), D, D, ktall.data() + bk * T * D + j0 * D);
   std::atomic<int64_t> next{0};   // tasks are claimed from this counter, see kTasksNote
 #pragma omp parallel
   {
@@ -248,7 +251,7 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
         const int64_t cols = std::min(BC, T - j0);
         float* s = sb.data();
         if (!P.mask_open(b, i0, rows, j0, cols)) continue;
-        gemm(rows, cols, D, scale, qi, D, ktall.data() + (b * P.K + n / P.g) * D * T + j0, T, 0.f, s, cols);
+        gemm(rows, cols, D, scale, qi, D, ktall.data() + (b * P.K + n / P.g) * T * D + j0 * D, cols, 0.f, s, cols);
         if (!P.apply(b, i0, rows, j0, cols, s)) continue;
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s + r * cols;
