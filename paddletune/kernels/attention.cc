@@ -41,7 +41,7 @@ constexpr int64_t BR = 64;    // query rows per block
 constexpr int64_t BC = 256;   // keys per block: a [BR, BC] score block (64 KB) stays in L2
 
 // exp(x) for x <= 0 (clamped at -80); the polynomial of cpu_kernels.cc's exp_neg.
-inline float exp_le0(float x) {
+__attribute__((always_inline)) inline float exp_le0(float x) {
   x = x < -80.f ? -80.f : x;
   const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
@@ -204,6 +204,18 @@ struct Problem {
   }
 };
 
+// p[c] = exp(p[c] - shift), 0 where p[c] = -inf (blocked); returns the sum
+float exp_shifted(float* p, int64_t cols, float shift) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < cols; ++c) {
+    const float e = p[c] == -INFINITY ? 0.f : exp_le0(p[c] - shift);
+    p[c] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // mean of v over all T keys of (b, kv head): the output of a fully blocked row
 void mean_v(const float* v, int64_t T, int64_t D, float* out) {
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
@@ -264,13 +276,7 @@ std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Ten
             continue;
           }
           const float corr = exp_le0(m[r] - mn);   // m[r] = -inf gives exp(-80) ~ 0 times acc = 0
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < cols; ++c) {
-            const float p = sr[c] == -INFINITY ? 0.f : exp_le0(sr[c] - mn);
-            sr[c] = p;
-            sum += p;
-          }
+          const float sum = exp_shifted(sr, cols, mn);
           l[r] = l[r] * corr + sum;
           m[r] = mn;
           float* ar = acc.data() + r * D;
@@ -361,15 +367,17 @@ std::vector<paddle::Tensor> FlashAttnBwd(const paddle::Tensor& q, const paddle::
           const float* go = gp + (b * S + i0) * ld + n * D;
           gemm(rows, cols, D, 1.f, go, ld, vt.data(), cols, 0.f, dp, cols);   // dp = do v^T
           for (int64_t r = 0; r < rows; ++r) {
+            float* __restrict__ pr = p + r * cols;
+            float* __restrict__ dr = dp + r * cols;
             const float L = lh[i0 + r], dl = delta[i0 + r];
-            float* pr = p + r * cols;
-            float* dr = dp + r * cols;
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) {
-              const float e = (pr[c] == -INFINITY || L == INFINITY) ? 0.f : exp_le0(pr[c] - L);
-              pr[c] = e;
-              dr[c] = e * (dr[c] - dl);
+            if (L == INFINITY) {   // a fully blocked row: no softmax gradient (handled through u)
+              std::fill(pr, pr + cols, 0.f);
+              std::fill(dr, dr + cols, 0.f);
+              continue;
             }
+            exp_shifted(pr, cols, L);
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) dr[c] = pr[c] * (dr[c] - dl);
           }
           float* t = tb.data();
           transpose(p, rows, cols, cols, t);
