@@ -64,7 +64,11 @@ def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
 
     if len(q.shape) != 4 or len(k.shape) != 4 or q.shape[1] % k.shape[1] or not _fits(q, k, v):
         return None
-    if mask is not None and (mask.dtype != paddle.bool or len(mask.shape) != 4):
+    B, S, T = q.shape[0], q.shape[2], k.shape[2]
+    if mask is not None and (mask.dtype != paddle.bool or len(mask.shape) != 4 or mask.shape[1] != 1
+                             or list(mask.shape[2:]) != [S, T] or mask.shape[0] not in (1, B)):
+        return None   # a mask of another shape (broadcast over heads, say): the dense path takes it
+    if (causal and T < S) or (starts is not None and (T != S or list(starts.shape) != [B, S])):
         return None
     if "layer" not in _STATE:
         _STATE["layer"] = _layer()
