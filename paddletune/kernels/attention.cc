@@ -224,6 +224,25 @@ void mean_v(const float* v, int64_t T, int64_t D, float* out) {
   for (int64_t d = 0; d < D; ++d) out[d] /= static_cast<float>(T);
 }
 
+// [B, N, T, D] per query head -> [B, K, T, D]: the sum over each KV head's g = N / K query heads
+// (O(B N T D), once per backward: one thread)
+paddle::Tensor sum_groups(const paddle::Tensor& per_head, int64_t K) {
+  const auto sh = per_head.shape();
+  const int64_t B = sh[0], N = sh[1], g = N / K, per = sh[2] * sh[3];
+  auto out = paddle::empty({B, K, sh[2], sh[3]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  const float* src = per_head.data<float>();
+  float* dst = out.data<float>();
+  for (int64_t bk = 0; bk < B * K; ++bk) {
+    const float* first = src + (bk / K * N + bk % K * g) * per;   // head (bk % K) * g of batch bk / K
+    for (int64_t x = 0; x < per; ++x) {
+      float acc = 0.f;
+      for (int64_t h = 0; h < g; ++h) acc += first[h * per + x];
+      dst[bk * per + x] = acc;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> FlashAttn(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
@@ -396,22 +415,7 @@ std::vector<paddle::Tensor> FlashAttnBwd(const paddle::Tensor& q, const paddle::
 
   }
   if (g == 1) return {dq, dkh, dvh};
-  auto dk = paddle::empty({B, K, T, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  auto dv = paddle::empty({B, K, T, D}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  float *dks = dk.data<float>(), *dvs = dv.data<float>();
-  const int64_t per = T * D;
-  for (int64_t bk = 0; bk < B * K; ++bk) {   // O(B K T D), once per backward: one thread
-    const int64_t b = bk / K, kk = bk % K;
-    for (int64_t x = 0; x < per; ++x) {
-      float sk = 0.f, sv = 0.f;
-      for (int64_t h = 0; h < g; ++h) {
-        sk += dkp[((b * N + kk * g + h) * per) + x];
-        sv += dvp[((b * N + kk * g + h) * per) + x];
-      }
-      dks[bk * per + x] = sk;
-      dvs[bk * per + x] = sv;
-    }
-  }
+  auto dk = sum_groups(dkh, K), dv = sum_groups(dvh, K);
   return {dq, dk, dv};
 }
 
