@@ -18,6 +18,14 @@ def _grads(monkeypatch, recompute, granularity):
     core = layers._dense_attention
     monkeypatch.setattr(layers, "_dense_attention",
                         lambda *a, **k: calls.__setitem__("core", calls["core"] + 1) or core(*a, **k))
+    blocked = layers.ops.cpu_attention   # the CPU column's blocked kernel (None: the dense path runs)
+
+    def count_blocked(*a, **k):
+        out = blocked(*a, **k)
+        calls["core"] += out is not None
+        return out
+
+    monkeypatch.setattr(layers.ops, "cpu_attention", count_blocked)
     paddle.seed(0)
     model = build_model(dict(get_spec("llama").tiny_config, attention_dropout=0.1), seed=0)
     model.train()
@@ -71,6 +79,14 @@ def _family_grads(monkeypatch, kind, recompute, granularity):
     core = layers._dense_attention
     monkeypatch.setattr(layers, "_dense_attention",
                         lambda *a, **k: calls.__setitem__("core", calls["core"] + 1) or core(*a, **k))
+    blocked = layers.ops.cpu_attention   # the CPU column's blocked kernel (None: the dense path runs)
+
+    def count_blocked(*a, **k):
+        out = blocked(*a, **k)
+        calls["core"] += out is not None
+        return out
+
+    monkeypatch.setattr(layers.ops, "cpu_attention", count_blocked)
     cls = type(getattr(model.decoder_layers()[0], spec.attention_module))
     orig = cls.forward
     monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.__setitem__(

@@ -10,6 +10,7 @@ A peer script is `python peers/<peer>_train.py SPEC.json`; SPEC holds
     method       "lora" | "full";  lora_rank, lora_alpha, lora_targets (module names)
     layout       "padded" | "zero_padding" | "greedy_zero_padding" (packed rows; paddletune only)
     steps, warmup, lr, max_grad_norm, seed
+    recompute    optional, default false: recompute whole decoder layers in backward (long_context.py)
 The result line is `BENCH_RESULT {json}`; tokens are counted here from the batches (not by the
 peer), so every peer is measured with the same token and target counts.
 """

@@ -27,6 +27,8 @@ def main():
     torch.manual_seed(spec["seed"])
     model = LlamaForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32, attn_implementation="sdpa")
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if spec.get("recompute"):   # whole decoder layers, as paddletune's recompute_granularity "full"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec["method"] == "lora":
         import peft
         from peft import LoraConfig, get_peft_model

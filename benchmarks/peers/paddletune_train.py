@@ -63,7 +63,7 @@ def build(spec):
     args = TrainingArguments(output_dir=os.path.join(spec["workdir"], "paddletune-out"),
                              per_device_train_batch_size=spec["batch"], max_steps=spec["warmup"] + spec["steps"],
                              learning_rate=spec["lr"], max_grad_norm=spec["max_grad_norm"], weight_decay=0.0,
-                             disable_tqdm=True, save_strategy="no")
+                             disable_tqdm=True, save_strategy="no", recompute=bool(spec.get("recompute", False)))
     return Trainer(model, args, train_dataset=[], export_fn=lambda d: None, trainable=trainable), batches
 
 

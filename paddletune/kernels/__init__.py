@@ -8,6 +8,9 @@
     out = ops.pt_swiglu(gate, up)                                      # silu(gate) * up
     out = ops.pt_rope(x, cos, sin, scale)          # rotary embedding, [B, S, N, D] -> [B, N, S, D]
 (and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu, rope) pick them.
+    out, lse = ops.pt_flash_attn(q, k, v, mask, starts, scale, causal, use_mask, use_starts)
+blocked attention with an online softmax (attention.cc; wrapper and masks: attention.py, used by
+models/ops.cpu_attention), memory linear in the sequence.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
@@ -32,9 +35,10 @@ import time
 
 logger = logging.getLogger("paddletune")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
+SOURCES = [SOURCE, os.path.join(os.path.dirname(SOURCE), "attention.cc")]   # attention.py: the latter's ops
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd", "pt_rms_norm", "pt_rms_norm_bwd",
-       "pt_swiglu", "pt_swiglu_bwd", "pt_rope", "pt_rope_bwd")
+       "pt_swiglu", "pt_swiglu_bwd", "pt_rope", "pt_rope_bwd", "pt_flash_attn", "pt_flash_attn_bwd")
 _STATE = {}
 
 
@@ -71,8 +75,10 @@ def _build():
 
     libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
     ldflags = [f"-L{libs}", "-liomp5", f"-Wl,-rpath,{libs}"]
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(b"\0".join([src, paddle.__version__.encode(), " ".join(CFLAGS + ldflags).encode(),
                                      _cpu_id().encode(), sys.version.encode()])).hexdigest()[:12]
     home = os.environ.get("PADDLETUNE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "paddletune"))
@@ -96,7 +102,7 @@ def _build():
             if mod is not None:
                 return mod
             with _quiet_build():
-                mod = load(name=name, sources=[SOURCE], extra_cxx_cflags=CFLAGS,
+                mod = load(name=name, sources=SOURCES, extra_cxx_cflags=CFLAGS,
                            extra_ldflags=ldflags, build_directory=build_dir, verbose=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -166,7 +172,8 @@ def cpu_ops():
     if reason:
         logger.info("CPU kernels: off (%s); paddle's kernels are used", reason)
     else:   # the default case is said too (README: "the log says which")
-        logger.info("CPU kernels: on (paddletune's cross-entropy, masked softmax, RMSNorm, SwiGLU, rope)")
+        logger.info("CPU kernels: on (paddletune's cross-entropy, masked softmax, RMSNorm, SwiGLU, rope, "
+                    "blocked attention)")
     return ops
 
 
@@ -291,3 +298,16 @@ def softmax_xent_(logits, targets):
     if len(logits.shape) != 2 or not _fits(logits):
         return None
     return cpu_ops().pt_softmax_xent(logits, targets.astype("int64"))
+
+
+def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
+    """Blocked attention (kernels/attention.py): [B, S, N*D], or None when unavailable."""
+    from .attention import blocked_attention as run
+
+    return run(q, k, v, scale, causal, mask, starts)
+
+
+def example_starts(runs, S):
+    from .attention import example_starts as starts
+
+    return starts(runs, S)

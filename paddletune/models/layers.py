@@ -245,6 +245,11 @@ def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dt
     a broadcast [1, 1, S, T] bias ~30x slower than they fill a broadcast bool mask."""
     if segment_ids is not None and past == 0 and attention_mask is None:
         return PackedRows(segment_ids, dtype)
+    if (attention_mask is not None and segment_ids is None and attention_mask.place.is_cpu_place()
+            and not bool((attention_mask == 0).any())):
+        # no padding at all (uniform batches): the plain causal mask, which the CPU attention
+        # kernel runs by position (no [B, 1, S, T] mask built or read); the same attention
+        attention_mask = None
     T = past + q_len
     blocked = None
     if q_len > 1:
@@ -424,6 +429,10 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
             return _packed_attention(q, k, v, bias, dropout, training, scale, False, dropout_fn, alibi,
                                      plain=True)
         return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi, plain=True)
+    if not (flash and "gpu" in str(q.place).lower()):   # the op table's CPU attention row
+        out = ops.cpu_attention(q, k, v, bias, dropout, training, scale, alibi, dropout_fn)
+        if out is not None:
+            return out
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn, alibi)
     return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi)

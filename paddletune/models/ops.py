@@ -9,10 +9,10 @@ attention), and layers.py asks `table()` which column to run:
     swiglu      kernels.swiglu, else silu(g) * u            paddle.nn.functional.swiglu
     rope        kernels.rope_heads_first, else the D x D     paddle.incubate...fused_rotary_position_
                 signed-permutation matmul (RopeTables)        embedding (x [B, S, N, D], neox style)
-    attention   dense [B, K, g*S, T] matmuls + CPU masked    flash_attention (causal, no padding),
-                softmax; packed rows per block                scaled_dot_product_attention (masks),
-                                                              flashmask_attention (packed rows),
-                                                              all in paddle's [B, S, N, D] layout
+    attention   kernels.blocked_attention (online softmax,   flash_attention (causal, no padding),
+                O(S) memory: causal, bool masks, packed       scaled_dot_product_attention (masks),
+                rows, GQA), see cpu_attention; else dense     flashmask_attention (packed rows),
+                [B, K, g*S, T] matmuls + CPU masked softmax   all in paddle's [B, S, N, D] layout
     ALiBi, custom attention dropout (ChatGLM, TP), ChatGLM's half-dim rope, LayerNorm + GELU
     (GPT-2 / OPT / Bloom): plain paddle ops in the gpu column (no fused paddle op takes them).
 
@@ -54,7 +54,8 @@ def column():
 
 
 DESCRIBE = {
-    "cpu": "attention dense + CPU masked softmax, RMSNorm / SwiGLU / rope on paddletune's CPU kernels",
+    "cpu": "attention, RMSNorm / SwiGLU / rope on paddletune's CPU kernels (blocked attention; dense "
+           "where it does not apply)",
     "gpu": "attention paddle flash_attention / scaled_dot_product_attention / flashmask_attention in "
            "[B, S, N, D], fused_rms_norm, fused_rotary_position_embedding, F.swiglu",
 }
@@ -104,6 +105,34 @@ def _cpu_has_avx512():
         except OSError:
             _STATE["avx512"] = False
     return _STATE["avx512"]
+
+
+# ------------------------------------------------------------------------------ cpu column attention
+
+def cpu_attention(q, k, v, bias, dropout, training, scale, alibi=None, dropout_fn=None):
+    """The CPU column's attention row: the blocked kernel (kernels/attention.py, memory linear in
+    S) for q [B, N, S, D], k / v [B, K, T, D] float32 with bias None (no mask), the plain causal
+    mask, any bool mask [B|1, 1, S, T], or a layers.PackedRows (block-diagonal causal via each
+    query's example start). Returns [B, S, N*D], or None for the cases that keep the dense
+    reference path: ALiBi, attention dropout while training (the kernel has no dropout), the
+    decode step (S == 1: one query row, nothing to block), 16-/64-bit dtypes, kernels off."""
+    if alibi is not None or dropout_fn is not None or (dropout > 0 and training) or q.shape[2] == 1:
+        return None
+    from .. import kernels
+    from .layers import PackedRows, is_plain_causal
+
+    S, T = q.shape[2], k.shape[2]
+    if isinstance(bias, PackedRows):
+        if T != S:
+            return None
+        if not hasattr(bias, "_starts"):   # made once per forward, shared by the layers
+            bias._starts = paddle.to_tensor(kernels.example_starts(bias.runs, S))
+        return kernels.blocked_attention(q, k, v, scale, causal=True, starts=bias._starts)
+    if bias is None:
+        return kernels.blocked_attention(q, k, v, scale)
+    if is_plain_causal(bias, S) and T == S:
+        return kernels.blocked_attention(q, k, v, scale, causal=True)
+    return kernels.blocked_attention(q, k, v, scale, mask=bias)
 
 
 # ------------------------------------------------------------------------------ gpu column ops

@@ -1,0 +1,86 @@
+"""Blocked attention on the CPU kernels (attention.cc): memory O(S) instead of the dense path's
+[B, N, S, T] scores and probabilities.
+
+    out = blocked_attention(q, k, v, scale, causal=True)                    # [B, S, N*D]
+    out = blocked_attention(q, k, v, scale, mask=blocked)                   # bool [B|1, 1, S, T]
+    out = blocked_attention(q, k, v, scale, causal=True, starts=starts)     # packed rows
+
+out_i = sum_j softmax_j(scale * q_i . k_j over the keys query i may see) v_j, q [B, N, S, D],
+k / v [B, K, T, D] (query head n reads KV head n // (N / K)). A query with no visible key gets
+the mean of v over all T keys (uniform weights), as masked_fill(-1e9) + softmax gives.
+Backward: the kernel recomputes score blocks from the saved per-row logsumexp [B, N, S], so a
+layer keeps q, k, v, out and lse for it (all O(S)). Returns None when the kernels are off or the
+inputs are not float32 CPU tensors (the caller then runs the dense path).
+"""
+import numpy as np
+
+
+class _Masks:
+    """The non-differentiable inputs, kept out of PyLayer's tensor arguments."""
+
+    def __init__(self, mask, starts):
+        import paddle
+
+        self.use_mask, self.use_starts = mask is not None, starts is not None
+        dummy_b, dummy_i = paddle.zeros([1], "bool"), paddle.zeros([1], "int32")
+        self.mask = mask if mask is not None else dummy_b
+        self.starts = starts if starts is not None else dummy_i
+
+
+def _layer():
+    import paddle
+
+    from . import cpu_ops
+
+    class BlockedAttention(paddle.autograd.PyLayer):
+        @staticmethod
+        def forward(ctx, q, k, v, masks, scale, causal):
+            out, lse = cpu_ops().pt_flash_attn(q, k, v, masks.mask, masks.starts, scale, causal,
+                                               masks.use_mask, masks.use_starts)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.args = (masks, scale, causal)
+            ctx.want = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensor()
+            masks, scale, causal = ctx.args
+            grads = cpu_ops().pt_flash_attn_bwd(q, k, v, out, lse, dout.contiguous(), masks.mask, masks.starts,
+                                                scale, causal, masks.use_mask, masks.use_starts)
+            return tuple(gr if w else None for gr, w in zip(grads, ctx.want))
+
+    return BlockedAttention
+
+
+_STATE = {}
+
+
+def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
+    """See the module docstring; None when the kernel path does not apply."""
+    import paddle
+
+    from . import _fits
+
+    if len(q.shape) != 4 or len(k.shape) != 4 or q.shape[1] % k.shape[1] or not _fits(q, k, v):
+        return None
+    B, S, T = q.shape[0], q.shape[2], k.shape[2]
+    if mask is not None and (mask.dtype != paddle.bool or len(mask.shape) != 4 or mask.shape[1] != 1
+                             or list(mask.shape[2:]) != [S, T] or mask.shape[0] not in (1, B)):
+        return None   # a mask of another shape (broadcast over heads, say): the dense path takes it
+    if (causal and T < S) or (starts is not None and (T != S or list(starts.shape) != [B, S])):
+        return None
+    if "layer" not in _STATE:
+        _STATE["layer"] = _layer()
+    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+    return _STATE["layer"].apply(q, k, v, _Masks(mask, starts), float(scale), bool(causal))
+
+
+def example_starts(runs, S):
+    """int32 [B, S] from per-row example runs [(start, end)]: each position's example start (the
+    first key a packed-row query may see)."""
+    out = np.zeros((len(runs), S), np.int32)
+    for b, row in enumerate(runs):
+        for s, e in row:
+            out[b, s:e] = s
+    return out
