@@ -8,7 +8,7 @@ setup(
     "with Hugging Face checkpoints in and out",
     python_requires=">=3.9",
     packages=find_packages(include=["paddletune", "paddletune.*"]),
-    package_data={"paddletune": ["assets/*/*", "assets/*/*/*", "kernels/*.cc", "serve/static/*"]},
+    package_data={"paddletune": ["assets/*/*", "assets/*/*/*", "kernels/*.cc", "kernels/*.h", "serve/static/*"]},
     install_requires=[
         "numpy",
         "safetensors",

@@ -76,7 +76,7 @@ def _build():
     libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
     ldflags = [f"-L{libs}", "-liomp5", f"-Wl,-rpath,{libs}"]
     src = b""
-    for path in SOURCES:
+    for path in SOURCES + [os.path.join(os.path.dirname(SOURCE), "fast_exp.h")]:   # + the header both include
         with open(path, "rb") as f:
             src += f.read()
     key = hashlib.sha256(b"\0".join([src, paddle.__version__.encode(), " ".join(CFLAGS + ldflags).encode(),

@@ -33,6 +33,8 @@
 #include <omp.h>
 #include <vector>
 
+#include "fast_exp.h"
+
 #include <immintrin.h>
 
 namespace {
@@ -40,23 +42,8 @@ namespace {
 constexpr int64_t BR = 64;    // query rows per block
 constexpr int64_t BC = 256;   // keys per block: a [BR, BC] score block (64 KB) stays in L2
 
-// exp(x) for x <= 0 (clamped at -80); the polynomial of cpu_kernels.cc's exp_neg.
-__attribute__((always_inline)) inline float exp_le0(float x) {
-  x = x < -80.f ? -80.f : x;
-  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, sizeof(s));
-  return p * s;
-}
+// exp(x) for x <= 0, clamped at -80 (fast_exp.h's polynomial)
+__attribute__((always_inline)) inline float exp_le0(float x) { return exp_neg(x < -80.f ? -80.f : x); }
 
 // C[R, 8V] = alpha * A[R, k] B[k, 8V] + beta * C (beta 0: C is not read), A and B row-major.
 // Register tile of R x V 8-float vectors; every B row is loaded once per R rows of A.

@@ -1,0 +1,24 @@
+// One exp for the CPU kernels (cpu_kernels.cc, attention.cc): included by both.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+// exp(x) for x in [-80, 0] (callers clamp): x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-7
+// polynomial (Cephes expf coefficients), 2^k through the exponent bits. Plain arithmetic, so the
+// loops vectorize without -ffast-math (which would also break NaN propagation); softmax through
+// it matches paddle's to 1e-6 relative (tests/test_kernels.py).
+__attribute__((always_inline)) inline float exp_neg(float x) {
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   // round to nearest
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
