@@ -9,16 +9,13 @@ from conftest import lm_loss, rel_err
 from paddletune.models import build_model, get_spec, layers, llama
 
 
-def _grads(monkeypatch, recompute, granularity):
-    calls = {"block": 0, "attention": 0, "core": 0}
-    for cls, meth, key in ((llama.LlamaDecoderLayer, "forward", "block"),
-                           (llama.LlamaAttention, "forward", "attention")):
-        orig = getattr(cls, meth)
-        monkeypatch.setattr(cls, meth, lambda self, *a, _o=orig, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1) or _o(self, *a, **k))
+def _count_core_attention(monkeypatch, calls):
+    """calls["core"] += 1 per core attention computed: the dense path or the CPU column's blocked
+    kernel (ops.cpu_attention returns None when it leaves a case to the dense path)."""
     core = layers._dense_attention
     monkeypatch.setattr(layers, "_dense_attention",
                         lambda *a, **k: calls.__setitem__("core", calls["core"] + 1) or core(*a, **k))
-    blocked = layers.ops.cpu_attention   # the CPU column's blocked kernel (None: the dense path runs)
+    blocked = layers.ops.cpu_attention
 
     def count_blocked(*a, **k):
         out = blocked(*a, **k)
@@ -26,6 +23,15 @@ def _grads(monkeypatch, recompute, granularity):
         return out
 
     monkeypatch.setattr(layers.ops, "cpu_attention", count_blocked)
+
+
+def _grads(monkeypatch, recompute, granularity):
+    calls = {"block": 0, "attention": 0, "core": 0}
+    for cls, meth, key in ((llama.LlamaDecoderLayer, "forward", "block"),
+                           (llama.LlamaAttention, "forward", "attention")):
+        orig = getattr(cls, meth)
+        monkeypatch.setattr(cls, meth, lambda self, *a, _o=orig, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1) or _o(self, *a, **k))
+    _count_core_attention(monkeypatch, calls)
     paddle.seed(0)
     model = build_model(dict(get_spec("llama").tiny_config, attention_dropout=0.1), seed=0)
     model.train()
@@ -41,6 +47,7 @@ def _grads(monkeypatch, recompute, granularity):
     ("full", {"block": 4, "attention": 4, "core": 4}),        # 2 blocks, each run again
     ("full_attn", {"block": 2, "attention": 4, "core": 4}),   # attention sub-layers only
     ("core_attn", {"block": 2, "attention": 2, "core": 4})])  # softmax(q k^T) v only
+
 def test_recompute_granularity(monkeypatch, granularity, expect):
     base_calls, base = _grads(monkeypatch, False, granularity)
     assert base_calls == {"block": 2, "attention": 2, "core": 2}
@@ -76,17 +83,7 @@ def _family_grads(monkeypatch, kind, recompute, granularity):
     model.train()
     model.recompute, model.recompute_granularity = recompute, granularity
     calls = {"core": 0, "attention": 0}
-    core = layers._dense_attention
-    monkeypatch.setattr(layers, "_dense_attention",
-                        lambda *a, **k: calls.__setitem__("core", calls["core"] + 1) or core(*a, **k))
-    blocked = layers.ops.cpu_attention   # the CPU column's blocked kernel (None: the dense path runs)
-
-    def count_blocked(*a, **k):
-        out = blocked(*a, **k)
-        calls["core"] += out is not None
-        return out
-
-    monkeypatch.setattr(layers.ops, "cpu_attention", count_blocked)
+    _count_core_attention(monkeypatch, calls)
     cls = type(getattr(model.decoder_layers()[0], spec.attention_module))
     orig = cls.forward
     monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.__setitem__(
