@@ -4,7 +4,7 @@ One 2-rank launch runs every case (tests/gen_tp_cases.py); the reference is the 
 this process. Models: a GQA Llama saved by transformers (4 heads, 2 kv heads: one per rank), a
 tied Qwen2 with vocabulary 601 (padded to 602: rank 1's last column never chosen) and ChatGLM2
 (padded_vocab_size 600); a Llama with prefix tuning (the prefix split by kv heads into the
-cache); their final norms are scaled so that logits are peaked enough for top-k / top-p to cut
+cache); a multi-query Llama (1 kv head, replicated on both ranks), alone and with a prefix; their final norms are scaled so that logits are peaked enough for top-k / top-p to cut
 real mass. Every configuration generates a batch of prompts of different lengths (left padding)
 with the KV cache: greedy, and seeded sampling with temperature, top-k (small: candidates
 gathered; large: count search), top-p, repetition penalty, all of them at once, EOS and stop
@@ -43,6 +43,9 @@ CONFIGS = {
     "all": dict(S, temperature=0.8, top_k=40, top_p=0.8, repetition_penalty=1.3, seed=5),
 }
 BASE = dict(max_new_tokens=10, eos_token_id=[])
+# multi-query Llama (1 key/value head < TP 2: the head replicated on both ranks): fewer configs
+MQA = {"greedy": dict(BASE, return_logits=True), "all": dict(BASE, **CONFIGS["all"]),
+       "uncached": dict(BASE, use_cache=False)}     # no KVCache; a prefix enters as a PrefixCache
 OPS = {   # token choice alone, on the same logits
     "greedy": dict(decode_strategy="greedy_search"),
     "greedy_penalty": dict(decode_strategy="greedy_search", repetition_penalty=1.7),
@@ -64,9 +67,11 @@ def _checkpoints(base):
     out = {"llama": hf_checkpoint(base / "ck_llama", "llama", seed=3)[0],
            "qwen2": hf_checkpoint(base / "ck_qwen2", "qwen2", seed=4, vocab_size=601,
                                   tie_word_embeddings=True)[0],
-           "chatglm": glm}
+           "chatglm": glm,
+           "mqa": hf_checkpoint(base / "ck_mqa", "llama", seed=7, num_key_value_heads=1)[0]}
     # tied Qwen2 less: its logits already favour the last input token (h holds its embedding)
     for kind, norm, factor in (("llama", "model.norm.weight", 20), ("qwen2", "model.norm.weight", 3),
+                               ("mqa", "model.norm.weight", 20),
                                ("chatglm", "transformer.encoder.final_layernorm.weight", 20)):
         _sharpen(os.path.join(out[kind], "model.safetensors"), norm, factor)
     return out
@@ -141,6 +146,10 @@ def runs(tmp_path_factory):
         ref[name] = generate_case(ck, configs, PROMPTS, prefix_tokens=prefix)
         cases.append((name, "gen_tp_cases:generate_case",
                       dict(ckpt=ck, configs=configs, prompts=PROMPTS, tp=2, prefix_tokens=prefix)))
+    for name, prefix in (("mqa", 0), ("mqa_prefix", 3)):
+        ref[name] = generate_case(cks["mqa"], MQA, PROMPTS, prefix_tokens=prefix)
+        cases.append((name, "gen_tp_cases:generate_case",
+                      dict(ckpt=cks["mqa"], configs=MQA, prompts=PROMPTS, tp=2, prefix_tokens=prefix)))
     cases.append(("ops", "gen_tp_cases:ops_case", dict(tp=2, configs=OPS)))
     data = write_jsonl(str(base / "dev.json"), [{"src": "Reverse the words: apple river"},
                                                 {"src": "hi"}, {"src": "Sort the numbers: 3 1 2"}])
@@ -200,6 +209,31 @@ def test_the_split_is_real(runs, model):
         steps = max(len(s) for s in g["ids"])
         choice = [c for c in g["comm"] if c[1][-1:] != [H]]      # the rest: model activations [.., H]
         assert choice == [["all_reduce_max", [len(PROMPTS)]]] * (2 * steps), choice
+
+
+@pytest.mark.parametrize("model", ["mqa", "mqa_prefix"])
+def test_one_kv_head_replicated_on_both_ranks_generates_the_one_process_ids(runs, model):
+    """num_key_value_heads 1 at TP 2: each rank's attention computes the one (replicated) key/value
+    head, so its KV cache holds 1 head, not 1 // 2 = 0; with prefix tuning the prefix [L, 1, P, D]
+    is whole on both ranks (in the KVCache, and as a PrefixCache when uncached)."""
+    base, got, ref = runs
+    one, ranks = ref[model], got[model]
+    V = one["_"]["vocab"]
+    vl = math.ceil(V / 2)
+    assert one["_"]["kv_heads"] == 1
+    for name in MQA:
+        assert ranks[0][name]["ids"] == ranks[1][name]["ids"] == one[name]["ids"], (model, name)
+        assert ranks[0][name]["reasons"] == one[name]["reasons"], (model, name)
+    for r, res in enumerate(ranks):
+        assert [c[1] for c in res["greedy"]["cache"]] == [1] == [c[1] for c in one["greedy"]["cache"]]
+        assert res["uncached"]["cache"] == []                  # the recomputing path really ran
+        assert res["uncached"]["ids"] == res["greedy"]["ids"]
+        n = min(vl, V - r * vl)
+        for row_tp, row_one in zip(res["greedy"]["logits"], one["greedy"]["logits"]):
+            np.testing.assert_allclose(np.asarray(row_tp)[:, :n], np.asarray(row_one)[:, r * vl:r * vl + n],
+                                       atol=2e-5 * np.abs(row_one).max())
+    assert one["all"]["ids"] != one["greedy"]["ids"]
+    assert ref["mqa_prefix"]["greedy"]["ids"] != ref["mqa"]["greedy"]["ids"]   # the prefix counts
 
 
 def test_sharded_token_choice_equals_one_process_on_the_same_logits(runs):

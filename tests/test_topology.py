@@ -76,3 +76,30 @@ def test_layout_checks_name_both_numbers():
         check_layout(spec, replace(cfg, intermediate_size=90, num_key_value_heads=8), 4)
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         check_layout(replace(spec, tp_plan={}), cfg, 2)
+
+
+@pytest.mark.parametrize("heads, kv, degree, want", [(4, 2, 2, 1), (8, 8, 4, 2), (4, 1, 2, 1),
+                                                     (8, 2, 4, 1), (8, 1, 4, 1)])
+def test_local_kv_heads_one_count_for_the_plan_and_the_cache(heads, kv, degree, want):
+    """Hand-worked: K / TP key/value heads per rank, or 1 (replicated) when K < TP. The plan's
+    k_proj slice and the KV cache under TP (KVCache.for_model) both hold that many."""
+    from types import SimpleNamespace
+
+    from paddletune.models import get_spec
+    from paddletune.models.cache import KVCache
+    from paddletune.models.llama import LlamaConfig
+    from paddletune.parallel.plan import local_heads, param_split
+    from paddletune.parallel.tensor import TensorParallel
+
+    spec = get_spec("llama")
+    cfg = LlamaConfig.from_dict(dict(spec.tiny_config, hidden_size=64, num_attention_heads=heads,
+                                     num_key_value_heads=kv))
+    D = 64 // heads
+    assert local_heads(kv, degree) == want
+    split = param_split(spec, cfg, "model.layers.0.self_attn.k_proj.weight", [64, kv * D])
+    assert split.local_shape([64, kv * D], degree) == [64, want * D]
+    tp = TensorParallel.__new__(TensorParallel)        # only the degree matters here
+    tp.degree = degree
+    model = SimpleNamespace(spec=spec, config=cfg, tensor_parallel=tp)
+    cache = KVCache.for_model(model, batch_size=3, max_length=5)
+    assert cache.keys[0].shape == [3, want, 5, D] and len(cache.keys) == cfg.num_hidden_layers

@@ -28,8 +28,8 @@ class KVCache:
     def for_model(cls, model, batch_size, max_length, dtype="float32"):
         layers, kv_heads, head_dim = model.spec.prefix_layout(model.config)
         tp = getattr(model, "tensor_parallel", None)
-        if tp is not None:   # attention runs on this rank's key/value heads only (parallel/plan.py)
-            kv_heads //= tp.degree
+        if tp is not None:   # attention runs on this rank's key/value heads only: K / TP, or
+            kv_heads = tp.local_heads(kv_heads)   # one replicated head when K < TP (parallel/plan.py)
         return cls(layers, batch_size, kv_heads, head_dim, max_length, dtype)
 
     def update(self, layer_idx, k, v):

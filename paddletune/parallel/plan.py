@@ -36,6 +36,14 @@ from typing import Optional, Tuple
 import numpy as np
 
 
+def local_heads(heads, degree):
+    """How many of a part's `heads` heads one of `degree` tensor-parallel ranks holds: heads /
+    degree, or 1 when heads < degree (each head replicated on degree / heads ranks). The local
+    width of a head-structured part is this times the head width; the KV cache under TP has
+    this many key/value heads (TensorParallel.local_heads)."""
+    return heads // degree if heads >= degree else 1
+
+
 @dataclass(frozen=True)
 class Split:
     """axis None: replicated. Else the tensor is cut along `axis` into `degree` slices of every
@@ -60,7 +68,7 @@ class Split:
             n = math.ceil(width / degree)
             return rank * n, n
         if heads is not None and heads < degree:     # replicated heads
-            n = width // heads
+            n = width // heads * local_heads(heads, degree)
             return (rank // (degree // heads)) * n, n
         n = width // degree
         return rank * n, n

@@ -40,7 +40,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
-from .plan import module_kind, param_split, partial_grad, slice_array
+from .plan import local_heads, module_kind, param_split, partial_grad, slice_array
 
 logger = logging.getLogger("paddletune")
 
@@ -97,6 +97,11 @@ class TensorParallel:
 
                 self._replica_groups[c] = create_groups(self.topo.rank, self.topo.world_size, chunks)
         return self._replica_groups[c]
+
+    def local_heads(self, heads):
+        """Heads of a `heads`-head part on this rank under the plan (plan.local_heads): what the
+        attention's local key/value projections produce, so what the KV cache must hold."""
+        return local_heads(heads, self.degree)
 
     def all_reduce(self, t, op="sum"):
         if self.log is not None:
