@@ -4,7 +4,8 @@ One 2-rank launch runs every case (tests/gen_tp_cases.py); the reference is the 
 this process. Models: a GQA Llama saved by transformers (4 heads, 2 kv heads: one per rank), a
 tied Qwen2 with vocabulary 601 (padded to 602: rank 1's last column never chosen) and ChatGLM2
 (padded_vocab_size 600); a Llama with prefix tuning (the prefix split by kv heads into the
-cache); a multi-query Llama (1 kv head, replicated on both ranks), alone and with a prefix; their final norms are scaled so that logits are peaked enough for top-k / top-p to cut
+cache); a multi-query Llama (1 kv head, replicated on both ranks), alone and with a prefix, and a
+ChatGLM2 with 1 key/value group; their final norms are scaled so that logits are peaked enough for top-k / top-p to cut
 real mass. Every configuration generates a batch of prompts of different lengths (left padding)
 with the KV cache: greedy, and seeded sampling with temperature, top-k (small: candidates
 gathered; large: count search), top-p, repetition penalty, all of them at once, EOS and stop
@@ -64,14 +65,18 @@ def _checkpoints(base):
 
     glm = str(base / "ck_chatglm")
     make_tiny_checkpoint(glm, "chatglm", seed=5, padded_vocab_size=600)
+    glm_mqa = str(base / "ck_chatglm_mqa")     # fused [q | k | v] with 1 key/value group
+    make_tiny_checkpoint(glm_mqa, "chatglm", seed=8, padded_vocab_size=600, multi_query_group_num=1)
     out = {"llama": hf_checkpoint(base / "ck_llama", "llama", seed=3)[0],
            "qwen2": hf_checkpoint(base / "ck_qwen2", "qwen2", seed=4, vocab_size=601,
                                   tie_word_embeddings=True)[0],
            "chatglm": glm,
-           "mqa": hf_checkpoint(base / "ck_mqa", "llama", seed=7, num_key_value_heads=1)[0]}
+           "mqa": hf_checkpoint(base / "ck_mqa", "llama", seed=7, num_key_value_heads=1)[0],
+           "glm_mqa": glm_mqa}
     # tied Qwen2 less: its logits already favour the last input token (h holds its embedding)
     for kind, norm, factor in (("llama", "model.norm.weight", 20), ("qwen2", "model.norm.weight", 3),
                                ("mqa", "model.norm.weight", 20),
+                               ("glm_mqa", "transformer.encoder.final_layernorm.weight", 20),
                                ("chatglm", "transformer.encoder.final_layernorm.weight", 20)):
         _sharpen(os.path.join(out[kind], "model.safetensors"), norm, factor)
     return out
@@ -146,10 +151,11 @@ def runs(tmp_path_factory):
         ref[name] = generate_case(ck, configs, PROMPTS, prefix_tokens=prefix)
         cases.append((name, "gen_tp_cases:generate_case",
                       dict(ckpt=ck, configs=configs, prompts=PROMPTS, tp=2, prefix_tokens=prefix)))
-    for name, prefix in (("mqa", 0), ("mqa_prefix", 3)):
-        ref[name] = generate_case(cks["mqa"], MQA, PROMPTS, prefix_tokens=prefix)
+    for name, ck, prefix in (("mqa", cks["mqa"], 0), ("mqa_prefix", cks["mqa"], 3),
+                             ("glm_mqa", cks["glm_mqa"], 0)):
+        ref[name] = generate_case(ck, MQA, PROMPTS, prefix_tokens=prefix)
         cases.append((name, "gen_tp_cases:generate_case",
-                      dict(ckpt=cks["mqa"], configs=MQA, prompts=PROMPTS, tp=2, prefix_tokens=prefix)))
+                      dict(ckpt=ck, configs=MQA, prompts=PROMPTS, tp=2, prefix_tokens=prefix)))
     cases.append(("ops", "gen_tp_cases:ops_case", dict(tp=2, configs=OPS)))
     data = write_jsonl(str(base / "dev.json"), [{"src": "Reverse the words: apple river"},
                                                 {"src": "hi"}, {"src": "Sort the numbers: 3 1 2"}])
@@ -211,11 +217,12 @@ def test_the_split_is_real(runs, model):
         assert choice == [["all_reduce_max", [len(PROMPTS)]]] * (2 * steps), choice
 
 
-@pytest.mark.parametrize("model", ["mqa", "mqa_prefix"])
+@pytest.mark.parametrize("model", ["mqa", "mqa_prefix", "glm_mqa"])
 def test_one_kv_head_replicated_on_both_ranks_generates_the_one_process_ids(runs, model):
-    """num_key_value_heads 1 at TP 2: each rank's attention computes the one (replicated) key/value
-    head, so its KV cache holds 1 head, not 1 // 2 = 0; with prefix tuning the prefix [L, 1, P, D]
-    is whole on both ranks (in the KVCache, and as a PrefixCache when uncached)."""
+    """num_key_value_heads 1 at TP 2 (Llama; ChatGLM2 multi_query_group_num 1, its k/v inside the
+    fused query_key_value): each rank's attention computes the one (replicated) key/value head, so
+    its KV cache holds 1 head, not 1 // 2 = 0; with prefix tuning the prefix [L, 1, P, D] is whole
+    on both ranks (in the KVCache, and as a PrefixCache when uncached)."""
     base, got, ref = runs
     one, ranks = ref[model], got[model]
     V = one["_"]["vocab"]
