@@ -5,8 +5,8 @@ this process. Models: a GQA Llama saved by transformers (4 heads, 2 kv heads: on
 tied Qwen2 with vocabulary 601 (padded to 602: rank 1's last column never chosen) and ChatGLM2
 (padded_vocab_size 600); a Llama with prefix tuning (the prefix split by kv heads into the
 cache); a multi-query Llama (1 kv head, replicated on both ranks), alone and with a prefix, and a
-ChatGLM2 with 1 key/value group; their final norms are scaled so that logits are peaked enough for top-k / top-p to cut
-real mass. Every configuration generates a batch of prompts of different lengths (left padding)
+ChatGLM2 with 1 key/value group (greedy, one sampling config and the uncached path only); their
+final norms are scaled so that logits are peaked enough for top-k / top-p to cut real mass. Every configuration generates a batch of prompts of different lengths (left padding)
 with the KV cache: greedy, and seeded sampling with temperature, top-k (small: candidates
 gathered; large: count search), top-p, repetition penalty, all of them at once, EOS and stop
 strings ending rows at different steps (finished rows dropped in lockstep). Asserted besides the
