@@ -95,7 +95,8 @@ def _theirs(hf, prompts):
 
 
 def step_ms(run, n, repeats):
-    """Best-of-`repeats` ms per decode step: (t(n) - t(1)) / (n - 1), runs alternating."""
+    """Best-of-`repeats` ms per decode step: (t(n) - t(1)) / (n - 1), runs alternating; also
+    t(1) in ms (the prompt forward and the first token)."""
     run(2)
     t1, tn, ids = [], [], None
     for _ in range(repeats):
@@ -105,7 +106,7 @@ def step_ms(run, n, repeats):
         t0 = time.perf_counter()
         ids = run(n)
         tn.append(time.perf_counter() - t0)
-    return (min(tn) - min(t1)) / (n - 1) * 1e3, ids
+    return (min(tn) - min(t1)) / (n - 1) * 1e3, min(t1) * 1e3, ids
 
 
 def _hf_model(path):
@@ -126,11 +127,13 @@ def profile(a, model, path):
           f"threads OMP={os.environ.get('OMP_NUM_THREADS')}; load average at start {load:.2f}")
     for B in a.batch_sizes:
         prompts = np.random.default_rng(0).integers(3, V, size=(B, a.prompt_length)).tolist()
-        ours_ms, ids = step_ms(_ours(model, prompts), n, a.repeats)
-        line = f"\nbatch {B}: paddletune {ours_ms:.2f} ms/step ({B * 1e3 / ours_ms:.0f} new tok/s)"
+        ours_ms, first, ids = step_ms(_ours(model, prompts), n, a.repeats)
+        line = (f"\nbatch {B}: paddletune {ours_ms:.2f} ms/step ({B * 1e3 / ours_ms:.0f} new tok/s), "
+                f"first token {first:.1f} ms")
         if hf is not None:
-            hf_ms, hf_ids = step_ms(_theirs(hf, prompts), n, a.repeats)
-            line += (f"; transformers generate {hf_ms:.2f} ms/step ({B * 1e3 / hf_ms:.0f} new tok/s); "
+            hf_ms, hf_first, hf_ids = step_ms(_theirs(hf, prompts), n, a.repeats)
+            line += (f"; transformers generate {hf_ms:.2f} ms/step ({B * 1e3 / hf_ms:.0f} new tok/s), "
+                     f"first token {hf_first:.1f} ms; "
                      f"ratio {hf_ms / ours_ms:.2f}x; greedy ids {'equal' if hf_ids == ids else 'DIFFER'}")
         print(line)
         sec = Sections()

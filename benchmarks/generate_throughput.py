@@ -83,6 +83,7 @@ def main():
         from decode_profile import profile
 
         profile(a, model, path)
+        print("command: python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         return
