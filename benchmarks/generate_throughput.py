@@ -6,6 +6,15 @@ step), and transformers' generate on the same checkpoint. Greedy, fixed length (
 
 Prints a table (new tokens per second, best of --repeats) and whether the ids agree.
 transformers/torch are optional (only for the comparison row).
+
+    python benchmarks/generate_throughput.py --profile --batch_sizes 1 8 --new_tokens 64
+
+--profile: the decode-step profile instead. For each batch size: ms per decode step of ours
+(greedy, KV cache) and of transformers' generate (same prompts, new tokens, threads), then the
+sections of our step by inclusive time (layer forward hooks: CPU ops run synchronously, so a
+hook's wall time is the section's time; the token choice and the one host read are timed by
+wrapping them). Ms per step = (time of an N-token run - time of a 1-token run) / (N - 1), so the
+prompt forward is left out of the per-step numbers.
 """
 import argparse
 import os
@@ -32,6 +41,9 @@ def parse():
     p.add_argument("--repeats", type=int, default=2, help="timed runs per row (best is kept)")
     p.add_argument("--skip_uncached", action="store_true", help="skip the recomputation row")
     p.add_argument("--skip_transformers", action="store_true", help="skip the transformers row")
+    p.add_argument("--profile", action="store_true", help="decode-step profile (see above)")
+    p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8], help="--profile: batch sizes")
+    p.add_argument("--top", type=int, default=12, help="--profile: sections listed")
     return p.parse_args()
 
 
@@ -67,6 +79,14 @@ def main():
         tmp = tempfile.mkdtemp(prefix="gen-bench-")
         path = tiny_checkpoint(a, tmp)
     model = load_model(path)
+    if a.profile:
+        from decode_profile import profile
+
+        profile(a, model, path)
+        print("command: python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]))
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     V = model.config.vocab_size
     prompts = np.random.default_rng(0).integers(3, V, size=(a.batch_size, a.prompt_length)).tolist()
     n_new = a.batch_size * a.new_tokens

@@ -250,8 +250,13 @@ class _LiveBatch:
             pos = paddle.concat([self.prompt_pos, gen], axis=1) if step else self.prompt_pos
             T = self.P + ids.shape[1]
         mask = self.mask[:, :T] if self.need_mask else None
-        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache)
-        return out.logits[:, -1].astype("float32")
+        if not hasattr(self.model, "logits"):
+            out = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+            return out.logits[:, -1].astype("float32")
+        # the head on the last position only: the prompt forward would otherwise multiply all
+        # [B, L, H] hidden states by the [H, V] head (B*L*H*V MACs) to keep one row of them
+        h = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache, return_hidden=True).hidden_states
+        return self.model.logits(h[:, -1:])[:, -1].astype("float32")
 
     def advance(self, tok):
         """Append the chosen ids tok [live] to every row."""

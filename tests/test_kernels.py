@@ -145,3 +145,36 @@ def test_rope_heads_first_equals_paddle():
     assert out[0][0].shape == (B, N, S, D)
     for a, b in zip(*out):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_without_autograd_the_kernels_skip_pylayer_and_equal_paddle(monkeypatch):
+    """Under no_grad (the decode step) each kernel runs its forward op directly, not through its
+    PyLayer (set to raise here); the outputs equal paddle's own ops."""
+    def no_pylayer(kind, *args):
+        raise AssertionError(f"{kind}: PyLayer used under no_grad")
+
+    monkeypatch.setitem(kernels._STATE, "layers", {k: type("X", (), {"apply": staticmethod(
+        lambda *a, k=k: no_pylayer(k))}) for k in ("masked_softmax", "rms_norm", "swiglu", "rope")})
+    rng = np.random.default_rng(3)
+    x = paddle.to_tensor(rng.standard_normal((2, 3, 4, 8)).astype(np.float32))
+    w = paddle.to_tensor(rng.standard_normal(8).astype(np.float32))
+    w.stop_gradient = False   # a trainable weight: no_grad alone must select the direct op
+    cos, sin = (paddle.to_tensor(rng.standard_normal((2, 3, 8)).astype(np.float32)) for _ in range(2))
+    mask = paddle.to_tensor(rng.random((1, 1, 4, 8)) < 0.3)
+    with paddle.no_grad():
+        y = kernels.rms_norm(x, w, 1e-6)
+        ref = x / paddle.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+        np.testing.assert_allclose(y.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(kernels.swiglu(x, x * 2).numpy(), (F.silu(x) * x * 2).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        rot = paddle.concat([-x[..., 4:], x[..., :4]], axis=-1)
+        ref = ((x * cos.unsqueeze(2) + rot * sin.unsqueeze(2)) * 0.5).transpose([0, 2, 1, 3])
+        np.testing.assert_allclose(kernels.rope_heads_first(x, cos, sin, 0.5).numpy(), ref.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        scores = paddle.to_tensor(rng.standard_normal((2, 3, 4, 8)).astype(np.float32))
+        ref = F.softmax(paddle.where(mask, paddle.full_like(scores, -1e9), scores), -1)
+        np.testing.assert_allclose(kernels.masked_softmax(scores, mask).numpy(), ref.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    x.stop_gradient = False   # with autograd and an input needing a gradient: the PyLayer
+    with pytest.raises(AssertionError, match="rms_norm: PyLayer used"):
+        kernels.rms_norm(x, w, 1e-6)
