@@ -36,6 +36,17 @@ def start_cli(model_dir, out_dir, *extra):
                             text=True, preexec_fn=_limit)
 
 
+def finish_cli(p, label, timeout):
+    """(stdout, stderr) of a start_cli process; the test fails naming `label` if it still runs
+    after `timeout` s (a hang guard, not a speed claim)."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        pytest.fail(f"{label}: still running after {timeout} s: {err[-2000:]}")
+
+
 def tiny_model(dst):
     from paddletune.models import resolve_model_path
 
@@ -139,12 +150,7 @@ def test_hostile_model_files_one_error_each(tmp_path):
             continue   # this host could hold it
         procs[name] = (d, start_cli(d, tmp_path / f"out-{name}"))
     for name, (d, p) in procs.items():
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            pytest.fail(f"{name}: still running after 240 s: {err[-2000:]}")
+        out, err = finish_cli(p, name, 240)
         _, fname, words = HOSTILE[name]
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert p.returncode == 2 and len(lines) == 1, f"{name}: rc {p.returncode}\n{err[-3000:]}"

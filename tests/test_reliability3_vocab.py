@@ -8,12 +8,11 @@ Controls: the undamaged adapter / models are read without error by the same code
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from test_reliability3 import start_cli
+from test_reliability3 import finish_cli, start_cli
 
 HUGE_VOCAB = 200 << 20          # sparse: above the 128 MB TOKENIZER_CAP, no disk used
 HUGE_CONFIG = 64 << 20          # sparse: above the 4 MB CONFIG_CAP
@@ -125,12 +124,7 @@ def test_hostile_vocab_and_adapter_files_one_error_each(tmp_path):
             damage(path)
             procs[(fname, kind)] = (path, words, start_cli(model, tmp_path / f"out-{fname}-{kind}", *extra))
     for (fname, kind), (path, words, p) in procs.items():
-        try:
-            _, err = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-            pytest.fail(f"{fname} {kind}: still running after 300 s: {err[-2000:]}")
+        _, err = finish_cli(p, f"{fname} {kind}", 300)
         lines = [x for x in err.splitlines() if x.startswith("error:")]
         assert p.returncode == 2 and len(lines) == 1, f"{fname} {kind}: rc {p.returncode}\n{err[-3000:]}"
         assert str(path) in lines[0] and words in lines[0], f"{fname} {kind}: {lines[0]}"
