@@ -1,7 +1,7 @@
 """The op table (models/ops.py): the gpu column's paddle ops that have CPU kernels (sdpa with
-causal / padding masks, flash attention causal, F.swiglu; fused RMSNorm where the CPU has
-AVX-512) give the cpu column's values and gradients for every family, in the [B, S, N, D] layout
-the table passes; every gpu-column call binds to the paddle function's signature."""
+causal / padding masks, flash attention causal, F.swiglu; fused RMSNorm's forward where the
+CPU has AVX-512F) give the cpu column's values and gradients for every family, in the
+[B, S, N, D] layout the table passes; every gpu-column call binds to the paddle function's signature."""
 import inspect
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import paddle
 import pytest
 
 from paddletune.models import build_model, get_spec, ops
-from paddletune.models.layers import PackedRows
+from paddletune.models.layers import PackedRows, RMSNorm
 
 FAMILIES = {   # model_type -> config overrides (small, and different q / kv head counts)
     "llama": dict(num_key_value_heads=2), "qwen2": {}, "qwen3": {}, "chatglm": {},
@@ -186,35 +186,61 @@ def test_flashmask_ends_and_rope_tables_follow_the_ops_contracts():
         assert rel(RopeTables(cos, sin).apply_heads_first(x, 0.5).numpy(), ref) <= TOL
 
 
-def test_fused_rms_norm_cpu_kernel_or_the_reason_it_is_guarded():
-    """paddle's fused_rms_norm CPU kernel is AVX-512 code: on an AVX-512 CPU it equals the cpu
-    column (values and gradients) and the table uses it; elsewhere it dies with SIGILL (which is
-    why the table falls back to plain ops there) — this fails if either changes."""
+def test_fused_rms_norm_cpu_kernel_or_the_reason_it_is_guarded(monkeypatch):
+    """paddle 3.3.1's CPU build has fused_rms_norm's forward only: one float32 kernel
+    (phi::fusion::RmsNormAvxKernel<float> in libphi_core.so, AVX-512F code: on an AVX2-only CPU its
+    `vmovaps %zmm0,0x80(%rsp)` raises SIGILL, docs/gpu.md) and no backward kernel. So on an
+    AVX-512F CPU the table takes it for float32 without gradients and it equals the cpu column;
+    with gradients (every CPU) it takes plain ops, whose values and gradients equal the cpu
+    column's; without AVX-512F the fused kernel dies with SIGILL. Fails if any of this changes."""
+    from paddle.base import core
+
+    registered = core._get_all_register_op_kernels("phi")
+    cpu_fwd = [k for k in registered.get("fused_rms_norm_quant", []) if "Place(cpu)" in k]
+    assert len(cpu_fwd) == 1 and "data_type[float]" in cpu_fwd[0], cpu_fwd
+    assert not [k for k in registered.get("fused_rms_norm_quant_grad", []) if "Place(cpu)" in k]
     code = (
         "import numpy as np, paddle\n"
         "from paddle.incubate.nn.functional import fused_rms_norm\n"
         "from paddletune.models import ops\n"
         "from paddletune.models.layers import RMSNorm\n"
-        "x = paddle.to_tensor(np.random.RandomState(0).standard_normal((3, 5, 64)).astype('float32'), stop_gradient=False)\n"
+        "x = paddle.to_tensor(np.random.RandomState(0).standard_normal((3, 5, 64)).astype('float32'))\n"
         "n = RMSNorm(64, 1e-6); n.weight.set_value(np.linspace(0.5, 1.5, 64).astype('float32'))\n"
-        "fused_rms_norm(x, n.weight, None, 1e-6, begin_norm_axis=2)\n"   # SIGILL without AVX-512
-        "res = {}\n"
-        "for col in ('cpu', 'gpu'):\n"
-        "    x.clear_gradient(); n.weight.clear_gradient()\n"
-        "    with ops.use(col): y = n(x)\n"
-        "    (y * y).sum().backward(); res[col] = [y.numpy(), x.grad.numpy(), n.weight.grad.numpy()]\n"
+        "with paddle.no_grad():\n"
+        "    fused_rms_norm(x, n.weight, None, 1e-6, begin_norm_axis=2)\n"   # SIGILL without AVX-512F
+        "    with ops.use('cpu'): ref = n(x).numpy()\n"
+        "    ops.TAKEN.clear()\n"
+        "    with ops.use('gpu'): y = n(x).numpy()\n"
         "assert 'fused_rms_norm' in ops.TAKEN\n"
-        "print(max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(res['gpu'], res['cpu'])))\n")
+        "print(float(np.abs(y - ref).max() / np.abs(ref).max()))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if ops._cpu_has_avx512():
         assert r.returncode == 0, r.stderr[-2000:]
         assert float(r.stdout.strip().splitlines()[-1]) <= TOL
     else:
-        assert r.returncode == -4 or "SIGILL" in r.stderr, (r.returncode, r.stderr[-1000:])
-        with ops.use("gpu"):
-            ops.TAKEN.clear()
-            ops.rms_norm(paddle.ones([2, 8]), paddle.ones([8]), 1e-6)
-            assert "fused_rms_norm" not in ops.TAKEN
+        assert r.returncode == -4, (r.returncode, r.stderr[-1000:])   # -SIGILL
+    # with gradients the table must not call it even on an AVX-512F CPU (forced here)
+    import paddle.incubate.nn.functional as IF
+
+    def no_backward(*a, **k):
+        raise AssertionError("fused_rms_norm called on CPU with gradients: no CPU backward")
+
+    monkeypatch.setattr(ops, "_cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(IF, "fused_rms_norm", no_backward)
+    n = RMSNorm(64, 1e-6)
+    n.weight.set_value(np.linspace(0.5, 1.5, 64).astype("float32"))
+    x = paddle.to_tensor(np.random.RandomState(1).standard_normal((3, 5, 64)).astype("float32"),
+                         stop_gradient=False)
+    res = {}
+    for col in ("cpu", "gpu"):
+        x.clear_gradient(), n.weight.clear_gradient(), ops.TAKEN.clear()
+        with ops.use(col):
+            y = n(x)
+        (y * y).sum().backward()
+        res[col] = [y.numpy(), x.grad.numpy(), n.weight.grad.numpy()]
+        assert "fused_rms_norm" not in ops.TAKEN   # no CPU backward kernel: plain ops
+    for a, b in zip(res["gpu"], res["cpu"]):
+        assert rel(a, b) <= TOL
 
 
 def test_column_choice_is_logged_once_and_forced_by_env():

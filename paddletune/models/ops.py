@@ -22,9 +22,9 @@ that have CPU kernels); otherwise "gpu" when paddle is a CUDA build with a GPU d
 
 On a CPU tensor the gpu column runs the fused op only where paddle 3.3.1 has a CPU kernel for
 it: sdpa, flash_attention (causal; CPU ignores softmax_scale and has no GQA, so q is rescaled
-and K/V heads repeated there), F.swiglu; fused_rms_norm only on CPUs with AVX-512 (its CPU kernel
-dies with SIGILL on AVX2-only CPUs, measured); fused rope and flashmask have no CPU kernel. The
-rest fall back to plain paddle ops, and `TAKEN` records every paddle function actually called
+and K/V heads repeated there), F.swiglu; fused_rms_norm only forward, float32, on CPUs with
+AVX-512F (its CPU kernel dies with SIGILL on AVX2-only CPUs, measured; it has no CPU backward);
+fused rope and flashmask have no CPU kernel. The rest fall back to plain paddle ops, and `TAKEN` records every paddle function actually called
 (tools/gpu_check.py asserts the GPU choices were taken on a GPU).
 """
 import logging
@@ -142,10 +142,20 @@ def rms_norm_args(x, weight, eps):
     return (x, weight.astype(x.dtype), None, eps), dict(begin_norm_axis=len(x.shape) - 1)
 
 
+def _fused_rms_norm_runs(x, weight):
+    """fused_rms_norm on a GPU always. paddle 3.3.1's CPU build registers only its float32 forward
+    (phi::fusion::RmsNormAvxKernel, AVX-512F code: SIGILL on AVX2-only CPUs) and no backward
+    kernel, so on CPU it is used only where that kernel can run: AVX-512F, float32, no gradient."""
+    if _on_gpu(x):
+        return True
+    needs_grad = paddle.is_grad_enabled() and not (x.stop_gradient and weight.stop_gradient)
+    return _cpu_has_avx512() and x.dtype == paddle.float32 and not needs_grad
+
+
 def rms_norm(x, weight, eps):
     """weight * x / sqrt(mean(x^2, -1) + eps), x [..., H], weight [H]; statistics in float32 for
     16-bit x (layers.wide), output in x's dtype."""
-    if _on_gpu(x) or _cpu_has_avx512():
+    if _fused_rms_norm_runs(x, weight):
         from paddle.incubate.nn.functional import fused_rms_norm
 
         TAKEN.add("fused_rms_norm")
