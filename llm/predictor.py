@@ -360,8 +360,8 @@ def main(argv=None, stdin=None, stdout=None):
         stdout = io.StringIO()
     from paddletune.models import declared_dtype, load_config, ops
 
-    # the checkpoint's dtype or --dtype (tensor parallel loads float32 slices: not built for others)
-    dtype = "float32" if topo is not None else ops.compute_dtype(a.dtype, declared_dtype(load_config(path)[1]))
+    # the checkpoint's dtype or --dtype, under tensor parallelism too (slices read in the dtype)
+    dtype = ops.compute_dtype(a.dtype, declared_dtype(load_config(path)[1]))
     model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path, topology=topo, dtype=dtype)
     cfg = GenerationConfig(max_new_tokens=a.max_length, decode_strategy=a.decode_strategy,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,

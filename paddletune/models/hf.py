@@ -508,9 +508,11 @@ def read_as(reader, spec, name, dtype="float32"):
 
 
 def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, rows=1 << 22):
-    """Copy tensor `name` (or its [start:stop) slice along paddle `axis`) in paddle layout into the
-    float32 array `out`, straight from the file's memory map: no intermediate copy of the whole
-    slice (bf16 is widened `rows` elements at a time). Linear weights are transposed on the way."""
+    """Copy tensor `name` (or its [start:stop) slice along paddle `axis`) in paddle layout into
+    `out`, straight from the file's memory map: no intermediate copy of the whole slice (bf16 is
+    widened `rows` elements at a time). Linear weights are transposed on the way. `out` is a
+    float32 / float64 / float16 array (numpy converts), or uint16 for bfloat16 words: copied word
+    for word from a BF16 tensor, else rounded to nearest even from float32 (as read_as)."""
     st = reader.files[name]
     view, code = st._raw(reader.stored_name(name) if hasattr(reader, "stored_name") else name)
     linear = is_linear_weight(spec, name, view.ndim)
@@ -520,12 +522,14 @@ def read_slice_into(reader, spec, name, out, axis=None, start=None, stop=None, r
         view = view[tuple(idx)]
     if linear:
         view = view.T
-    if code != "BF16":
+    words = out.dtype == np.uint16
+    if (code == "BF16") == words:   # same dtype (BF16 words into words), or numpy converts
         out[...] = view
         return out
     step = max(1, rows // max(int(np.prod(view.shape[1:])), 1))
     for i in range(0, view.shape[0], step):
-        out[i:i + step] = bf16_to_f32(np.array(view[i:i + step]))
+        chunk = np.array(view[i:i + step])
+        out[i:i + step] = f32_to_bf16(chunk) if words else bf16_to_f32(chunk)
     return out
 
 

@@ -274,12 +274,13 @@ def is_split(p):
 
 # ------------------------------------------------------------------------------ parameters
 
-def make_param(local_array, split, tp, name, trainable):
-    """A DTensor parameter on tp.mesh from this rank's slice (numpy, paddle layout)."""
+def make_param(local_array, split, tp, name, trainable, dtype=None):
+    """A DTensor parameter on tp.mesh from this rank's slice (numpy, paddle layout); `dtype`
+    names bfloat16 for uint16 words (paddle's numpy form of bfloat16)."""
     from paddle.base.framework import EagerParamBase
 
-    t = dist.auto_parallel.api.dtensor_from_local(paddle.to_tensor(np.ascontiguousarray(local_array)),
-                                                  tp.mesh, tp.placements(split))
+    local = paddle.to_tensor(np.ascontiguousarray(local_array), dtype=dtype)
+    t = dist.auto_parallel.api.dtensor_from_local(local, tp.mesh, tp.placements(split))
     p = EagerParamBase.from_tensor(t, name=name)
     p.stop_gradient = not trainable
     return p
@@ -303,7 +304,7 @@ def place_dense_params(model, tp):
             continue
         split = param_split(model.spec, model.config, name, list(p.shape))
         arr = slice_array(p.numpy(), split, tp.rank, tp.degree)
-        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient))
+        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient, p.dtype))
         placed += 1
     return placed
 
@@ -520,15 +521,18 @@ def finalize(model, tp):
 
 # ------------------------------------------------------------------------------ sliced loading
 
-def read_local(reader, spec, name, split, shape, tp):
+def read_local(reader, spec, name, split, shape, tp, dtype="float32"):
     """This rank's slice of checkpoint tensor `name` (paddle layout, global paddle `shape`),
-    reading only its boxes from the file (vocabulary padding rows are zeros)."""
+    reading only its boxes from the file (vocabulary padding rows are zeros), as the numpy form
+    of `dtype` (bfloat16: uint16 words): a tensor stored in `dtype` is copied word for word, with
+    no float32 copy (hf.read_slice_into; the one-process loader's hf.read_as does the same)."""
     from ..models import hf
 
+    np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
     if split.axis is None:
-        return hf.read_slice_into(reader, spec, name, np.empty(shape, np.float32))
+        return hf.read_slice_into(reader, spec, name, np.empty(shape, np_dtype))
     local = split.local_shape(shape, tp.degree)
-    out = np.empty(local, np.float32)
+    out = np.empty(local, np_dtype)
     covered = 0
     for g0, n, l0 in split.boxes(shape, tp.rank, tp.degree):
         idx = [slice(None)] * out.ndim
@@ -538,13 +542,14 @@ def read_local(reader, spec, name, split, shape, tp):
     if covered < local[split.axis]:   # vocabulary padding rows
         idx = [slice(None)] * out.ndim
         idx[split.axis] = slice(covered, None)
-        out[tuple(idx)] = 0.0
+        out[tuple(idx)] = 0   # also +0.0 as bfloat16 words
     return out
 
 
 def load_sharded(model, path, tp, reader=None, only=None):
     """Fill a lazily built model with this rank's slices (loading.load_model under TP): every
-    parameter becomes a DTensor holding only its slice; quantized linears quantize their slice."""
+    parameter becomes a DTensor holding only its slice, in the dtype the model was built in
+    (build_model's `dtype`); quantized linears quantize their float32 slice."""
     from ..models import hf
     from ..models import check_checkpoint_shapes
 
@@ -562,9 +567,10 @@ def load_sharded(model, path, tp, reader=None, only=None):
     check_checkpoint_shapes(model, path, spec, reader, params, quantized)
     for name, p in params.items():
         split = param_split(spec, cfg, name, list(p.shape))
-        arr = read_local(reader, spec, name, split, list(p.shape), tp)
+        dtype = str(p.dtype).rpartition(".")[2]   # "paddle.bfloat16" -> "bfloat16"
+        arr = read_local(reader, spec, name, split, list(p.shape), tp, dtype)
         _unmap(reader, name)   # the pages read through the map stop counting as this process's
-        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient))
+        set_param(model, name, make_param(arr, split, tp, p.name, not p.stop_gradient, dtype))
         del arr
     for name, q in quantized.items():
         split = param_split(spec, cfg, name, [q.in_features, q.out_features])
