@@ -20,9 +20,9 @@ def test_cpu_build_says_it_needs_a_gpu_and_exits_0():
 
 
 def test_checks_run_in_float32_on_cpu(capsys):
-    """Fused vs dense logits pass on CPU in float32 (flash / sdpa / F.swiglu have CPU kernels);
-    the 'GPU choices taken' check fails here, naming the ops without a CPU kernel; the
-    training helpers give finite losses for SFT and nf4 QLoRA on a small 1B-shaped config."""
+    """Fused vs dense logits and gradients pass on CPU in float32 (flash / sdpa / F.swiglu have
+    CPU kernels); the 'GPU choices taken' check fails here, naming the ops without a CPU kernel;
+    the training helpers give finite losses for SFT and nf4 QLoRA on a small 1B-shaped config."""
     import math
 
     rep = gpu_check.Report()
@@ -31,6 +31,9 @@ def test_checks_run_in_float32_on_cpu(capsys):
     assert [l.split()[0] for l in lines if "logits" in l] == ["PASS"] * 3, lines
     taken = [l for l in lines if "GPU choices taken" in l]
     assert taken[0].startswith("FAIL") and "fused_rotary_position_embedding" in taken[0]
+    gpu_check.check_fused_vs_dense_grads(rep)   # float32 on CPU: sdpa / F.swiglu's backward
+    lines = capsys.readouterr().out.splitlines()
+    assert [l.split()[0] for l in lines if "gradients" in l] == ["PASS"] * 2, lines
     small = dict(gpu_check.ONE_B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     for mode in ("sft", "qlora"):

@@ -258,11 +258,12 @@ def test_column_choice_is_logged_once_and_forced_by_env():
 
 
 def test_quantized_gpu_entries_bind_and_nf4_fp4_use_paddletune_dequantization(monkeypatch):
-    """weight_only_linear / weight_quantize get arguments that bind to paddle's signatures; nf4 and
-    fp4 have no paddle kernel: never eligible for it, even in the gpu column on a CUDA build."""
+    """weight_only_linear / weight_quantize / weight_dequantize (the fused backward) get arguments
+    that bind to paddle's signatures; nf4 and fp4 have no paddle kernel: never eligible for it,
+    even in the gpu column on a CUDA build."""
     from types import SimpleNamespace
 
-    from paddle.nn.quant import weight_only_linear, weight_quantize
+    from paddle.nn.quant import weight_dequantize, weight_only_linear, weight_quantize
 
     from paddletune.quant import ALGORITHMS, gpu
 
@@ -271,6 +272,7 @@ def test_quantized_gpu_entries_bind_and_nf4_fp4_use_paddletune_dequantization(mo
                                 fused_scale=paddle.ones([8]))
         _sig(weight_only_linear, *gpu.weight_only_linear_args(paddle.zeros([2, 64]), layer))
         _sig(weight_quantize, *gpu.weight_quantize_args(paddle.zeros([64, 8]), layer))
+        _sig(weight_dequantize, *gpu.weight_dequantize_args(layer))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     for algo in ("nf4", "fp4"):
         layer = SimpleNamespace(algo=ALGORITHMS[algo], block_axis="in", blocksize=64, in_features=64)

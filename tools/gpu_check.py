@@ -8,6 +8,8 @@ What it runs (bfloat16 weights, paddle's fused ops through the op table's gpu co
   2. Fused vs dense attention: the same bf16 model's logits through the gpu column (flash
      attention / sdpa / fused RMSNorm / fused rope / F.swiglu) and through plain paddle ops,
      on a causal, a padded and a packed batch: within bf16 tolerance.
+     Every parameter gradient of the float32 loss through the gpu column vs plain ops (the
+     fused ops' backward kernels), causal and padded batches: within 1e-2 (TF32 room).
   3. The table's GPU choices actually taken (models.ops.TAKEN): flash_attention,
      scaled_dot_product_attention, flashmask_attention, fused_rms_norm,
      fused_rotary_position_embedding, swiglu.
@@ -184,6 +186,35 @@ def check_fused_vs_dense(rep, dtype="bfloat16"):
     rep.check("op table: GPU choices taken", want <= ops.TAKEN, f"missing {sorted(want - ops.TAKEN)}")
 
 
+def check_fused_vs_dense_grads(rep, tol=1e-2):
+    """Every parameter gradient of the float32 loss through the gpu column (sdpa, fused RMSNorm,
+    fused rope, F.swiglu: the fused ops' backward kernels) vs plain paddle ops, causal and padded
+    batches: max|d| / max|ref| per tensor <= tol (float32; tol leaves room for TF32 matmuls)."""
+    import paddle
+
+    from paddletune.loading import load_model
+    from paddletune.models import ops
+    from paddletune.models.loss import causal_lm_loss
+
+    model = load_model("paddletune/tiny-llama", dtype="float32")
+    model.train()
+    params = dict(model.named_parameters())
+    for kind in ("causal", "padded"):
+        data = batch(model.config.vocab_size, 2, 128, seed=2, kind=kind)
+        grads = {}
+        for col in ("gpu", "cpu"):
+            model.clear_gradients()
+            with ops.use(col):
+                out = causal_lm_loss(model, data)
+                (out.loss_sum / out.num_tokens.astype(out.loss_sum.dtype)).backward()
+            grads[col] = {n: p.grad.astype("float32").numpy() for n, p in params.items()}   # copies
+        errs = {n: float(abs(grads["gpu"][n] - g).max() / max(abs(g).max(), 1e-30))
+                for n, g in grads["cpu"].items()}
+        worst = max(errs, key=errs.get)
+        rep.check(f"fused vs dense gradients, every parameter ({kind})", errs[worst] <= tol,
+                  f"worst {worst} {errs[worst]:.2e}")
+
+
 def amp_trainer(key, level, steps, **keys):
     """(Trainer after `steps` steps, its logged losses): tiny-llama loaded float32 (as the script
     loads it), trained through the Trainer with `key` (bf16 / fp16 / None) at `level`."""
@@ -296,6 +327,7 @@ def main(argv=None):
     rep = Report()
     rep.check("op table chose the gpu column", ops.column() == "gpu", ops.column())
     check_fused_vs_dense(rep)
+    check_fused_vs_dense_grads(rep)
     check_tiny(rep, a.steps)
     check_precision(rep, a.steps)
     if not a.no_1b:

@@ -86,8 +86,8 @@ def dequantize_fused(layer, dtype):
     """W in paddle layout [in, out] from the fused layout."""
     from paddle.nn.quant import weight_dequantize
 
-    w = weight_dequantize(layer.fused_weight, layer.fused_scale, layer.algo.name,
-                          group_size=_group(layer)).astype(dtype)
+    args, kwargs = weight_dequantize_args(layer)
+    w = weight_dequantize(*args, **kwargs).astype(dtype)
     # paddle's kernel layout may come back [out, in]; callers get paddle's Linear layout
     return w if list(w.shape) == [layer.in_features, layer.out_features] else hf.linear_to_paddle(w)
 
@@ -95,6 +95,11 @@ def dequantize_fused(layer, dtype):
 def weight_quantize_args(w, layer):
     """(args, kwargs) passed to paddle.nn.quant.weight_quantize: w [in, out] in the compute dtype."""
     return (w,), dict(algo=layer.algo.name, group_size=_group(layer))
+
+
+def weight_dequantize_args(layer):
+    """(args, kwargs) passed to paddle.nn.quant.weight_dequantize (the fused path's backward)."""
+    return (layer.fused_weight, layer.fused_scale, layer.algo.name), dict(group_size=_group(layer))
 
 
 def weight_only_linear_args(x, layer):
