@@ -74,9 +74,16 @@ def _train(path, dtype, steps=4):
     return losses, model, seen
 
 
-def test_float64_training_stays_float64_and_matches_float32(tiny):
-    l32, _, _ = _train(tiny, "float32")
-    l64, model, seen = _train(tiny, "float64")
+@pytest.mark.parametrize("column", ["cpu", "gpu"])
+def test_float64_training_stays_float64_and_matches_float32(tiny, column):
+    """In both op-table columns (the gpu one on paddle's CPU kernels of sdpa / flash / swiglu)."""
+    from paddletune.models import ops
+
+    ops.TAKEN.clear()
+    with ops.use(column):
+        l32, _, _ = _train(tiny, "float32")
+        l64, model, seen = _train(tiny, "float64")
+    assert (column == "gpu") == ({"flash_attention", "swiglu"} <= ops.TAKEN), ops.TAKEN
     assert len(l64) == 4 and len(l32) == 4
     assert {str(p.dtype) for p in model.parameters()} == {"paddle.float64"}
     assert seen and {d for _, d in seen} == {"paddle.float64"}, sorted(seen)
