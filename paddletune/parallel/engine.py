@@ -22,8 +22,9 @@ the whole world (paddle 3.3.1 topology.py:770, order pipe, moe_sharding, expert,
 sep, context, model) and replaces HybridCommunicateGroup as the one hcg; read (not run): its
 expert groups come from a separate [pipe, moe_sharding, expert] grid (topology.py:803-811), i.e.
 experts are carved out of the sharding side, while ours are carved out of the data ranks
-(dp x sharding, with sharding refused under expert parallel). It has not been probed at run time
-against our groups, so those stay ours, through the same create_groups path.
+(dp x sharding, with sharding refused under expert parallel). Probed at run time (expert.py
+docstring, tests/test_expert_groups_fleet.py): it refuses dp > 1 with experts, so those stay
+ours, through the same create_groups path.
 """
 import contextlib
 import logging

@@ -30,6 +30,17 @@ kernel, and the engine's Shard->Shard reshard on CPU is itself an all-gather + s
 (docs/parallel.md). So, as tensor.py runs TP locally with Megatron's two collectives, EP runs
 locally with the PyLayer collectives above, each with its adjoint written next to it.
 
+Why the groups are ours, not fleet's EPHybridCommunicateGroup (probed at run time, paddle 3.3.1,
+tests/test_expert_groups_fleet.py, 4 ranks at ep 2 and ep 4): fleet refuses expert parallel over
+data-parallel ranks - its constructor asserts dp_degree == 1 ("must be 1 in MoE"; other ranks fail
+earlier, its context grid being built from the sharding axis alone; moe_sharding > 1 makes
+dense_sharding = sharding // moe_sharding = 0, an empty grid). Laid out its way - data 1,
+sharding = the data ranks, moe_sharding = data / ep, expert = ep - its expert groups equal "ep" and
+its moe_sharding groups "ep_data", but the dense data-parallel ranks are then fleet's sharding
+axis (its data group is each rank alone), so paddle.DataParallel and HybridParallelOptimizer
+would treat them as sharding ranks, and it would replace the HybridCommunicateGroup that
+Topology wraps. So "ep" / "ep_data" stay ours, created by topology.create_groups like "data".
+
 Router statistics (load-balancing loss): every data-parallel rank's micro-batch is part of one
 global micro-batch; the counts / prob sums / token counts are summed over all data ranks
 (`global_aux`), so aux is the one-process value of that micro-batch. See global_aux for the

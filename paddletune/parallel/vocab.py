@@ -14,6 +14,29 @@ Cross-entropy of row i with target y (z_v = h_i . W_v over this rank's columns):
 Forward: two small all-reduces per block of rows; backward: one [n, H] all-reduce (the head's
 input is replicated, its gradient is a sum over vocabulary shards). Why by hand: paddle's
 engine computes cross-entropy on Shard(-1) logits by all-gathering them first ([n, V] per rank).
+
+On a CUDA build (`fleet_ce_route()`), M, S, T and the softmax of each block come from fleet's
+kernel instead: `mp_ops._c_softmax_with_cross_entropy(z_block, t_block, group=<mp group>,
+return_softmax=True)`, the op `fleet.layers.mpu.ParallelCrossEntropy` runs (called directly
+because the layer returns the loss only and its softmax gives dL/dz = p - onehot here). It
+returns loss [rows, 1] per row (no mean: the block losses are summed as on CPU, and the trainer
+divides by the target count). The rows stay in blocks of BLOCK_ELEMENTS / 4 / Vl, each block's
+gradients formed before the next block's logits exist, so [n, Vl] logits are never all alive.
+The padded vocabulary columns (>= V, last rank) are set to NEG before the kernel sees them:
+fleet cannot mask them (ParallelCrossEntropy / the op take no mask, and fleet's
+VocabParallelEmbedding / ColumnParallelLinear assert that V divides by the degree).
+
+What stays ours, and why:
+  - the vocabulary cross-entropy's CPU path (`sharded_ce_rows`): paddle's CPU kernel of
+    c_softmax_with_cross_entropy is a stub ("Do not support c_softmax_with_cross_entropy for cpu
+    kernel now", paddle 3.3.1), so on gloo the same math runs over dist.all_reduce;
+  - the sharded symmetric KL of R-Drop (`sharded_symmetric_kl`), argmax / accuracy
+    (`sharded_argmax`), per-token log-probabilities (`sharded_token_logprobs`, DPO) and
+    sampling (parallel/sampling.py): fleet has no vocabulary-parallel form of any of them (its
+    only sharded-vocabulary op is the cross-entropy), and gathering [n, V] logits to use a dense
+    op is what this module exists to avoid;
+  - the [n, H] all-reduce of the head input's gradient in VocabParallelCE.backward (the
+    gradients are formed in forward, outside autograd, so fleet's f cannot carry it).
 """
 import paddle
 from paddle.autograd import PyLayer
@@ -44,6 +67,26 @@ def _target_parts(z, t, tp):
     return paddle.where(mine, loc, paddle.zeros_like(loc)), mine
 
 
+def fleet_ce_route():
+    """Whether the cross-entropy runs fleet's c_softmax_with_cross_entropy (CUDA builds; its CPU
+    kernel is a stub)."""
+    return paddle.is_compiled_with_cuda()
+
+
+def ce_rows(z, t, tp):
+    """Per-row cross-entropy [n], softmax p [n, Vl], local target columns and the mask of the
+    targets this rank owns, from local logits z [n, Vl] (padding at NEG) and targets t [n] (no
+    ignored ones: select_targets removed them). fleet's kernel on CUDA builds, else ours."""
+    if not fleet_ce_route():
+        return sharded_ce_rows(z, t, tp)
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+
+    loss, p = mp_ops._c_softmax_with_cross_entropy(z, t, group=tp.mp_group, return_softmax=True,
+                                                   ignore_index=-100)
+    loc, mine = _target_parts(z, t, tp)
+    return loss.reshape([-1]), p, loc, mine
+
+
 def sharded_ce_rows(z, t, tp):
     """Per-row cross-entropy [n] and softmax p [n, Vl] from local logits z (no autograd)."""
     m = z.max(axis=-1, keepdim=True)
@@ -70,7 +113,7 @@ class VocabParallelCE(PyLayer):
             hd, wd = h.detach(), w.detach()
             for lo in range(0, h.shape[0], rows):
                 hc, tc = hd[lo:lo + rows], t[lo:lo + rows]
-                lc, p, loc, mine = sharded_ce_rows(_local_logits(hc, wd, transposed, tp, vocab), tc, tp)
+                lc, p, loc, mine = ce_rows(_local_logits(hc, wd, transposed, tp, vocab), tc, tp)
                 onehot = paddle.nn.functional.one_hot(loc, vl) * mine.astype(p.dtype).unsqueeze(-1)
                 g = p - onehot                                            # dL/dz, local columns
                 loss = lc.sum() if loss is None else loss + lc.sum()
@@ -80,6 +123,7 @@ class VocabParallelCE(PyLayer):
                     hc32 = hc.astype("float32")
                     part = paddle.matmul(g, hc32, transpose_x=True) if transposed else paddle.matmul(hc32, g, transpose_x=True)
                     dw = part if dw is None else dw.add_(part)
+                del p, g, onehot   # this block's [rows, Vl] tensors go before the next block's
         ctx.tp, ctx.dtypes = tp, (h.dtype, w.dtype)
         ctx.dh = (paddle.concat(dh) if len(dh) > 1 else dh[0]) if want_dh else None
         ctx.dw = dw
@@ -100,7 +144,7 @@ class _ShardedCE(PyLayer):
 
     @staticmethod
     def forward(ctx, z, t, tp):
-        loss, p, loc, mine = sharded_ce_rows(z.detach(), t, tp)
+        loss, p, loc, mine = ce_rows(z.detach(), t, tp)
         onehot = paddle.nn.functional.one_hot(loc, z.shape[-1]) * mine.astype(p.dtype).unsqueeze(-1)
         ctx.g = p - onehot
         return loss.sum()
