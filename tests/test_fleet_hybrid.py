@@ -96,3 +96,27 @@ def test_fp16_scaler_over_fleets_optimizer(runs):
     x, y = _tensors(base / "tp2dp2_fp16" / "trained.safetensors"), _tensors(base / "tp2dp2" / "trained.safetensors")
     for k in y:
         np.testing.assert_allclose(x[k], y[k], rtol=0, atol=1e-7, err_msg=k)
+
+
+def test_which_layouts_reduce_through_fleets_optimizer():
+    """FleetDataParallel applies to dp > 1 with TP or PP only: pure DP is paddle.DataParallel's,
+    sharding and expert-parallel groups stay paddletune's (layout.py docstring)."""
+    import types
+
+    from paddletune.parallel.data import FleetDataParallel
+    from paddletune.parallel.topology import Topology
+
+    def topo(dp=1, tp=1, pp=1, sharding=1):
+        return Topology(world_size=dp * tp * pp * sharding, hcg=object(),
+                        degrees={"dp": dp, "pp": pp, "sharding": sharding, "tp": tp})
+
+    on = types.SimpleNamespace()
+    assert FleetDataParallel.for_layout(topo(dp=2, tp=2), on, None, None, None).degree == 2
+    assert FleetDataParallel.for_layout(topo(dp=4, pp=2), None, on, None, None).degree == 4
+    assert FleetDataParallel.for_layout(topo(dp=2), None, None, None, None) is None          # pure DP
+    assert FleetDataParallel.for_layout(topo(tp=2), on, None, None, None) is None            # no DP
+    assert FleetDataParallel.for_layout(topo(dp=2, tp=2, sharding=2), on, None, on, None) is None
+    assert FleetDataParallel.for_layout(topo(dp=2, tp=2), on, None, None, on) is None        # experts
+    alone = topo(dp=2, tp=2)
+    alone.hcg = None
+    assert FleetDataParallel.for_layout(alone, on, None, None, None) is None                 # no fleet

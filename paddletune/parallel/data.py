@@ -29,8 +29,9 @@ cannot show it is needed on this build. Not used here: expert parallel (each ran
 other experts: their groups are expert.py's) and sharding (sharding.py; issue 30 moves it to
 fleet's sharding optimizers).
 
-Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no DataParallel
-wrapper (fleet uses none there either); the trainer's optimizer goes through
+Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no reducer
+during backward (fleet's TensorParallel / PipelineParallel model wrappers have none either: their
+data-parallel sum is the optimizer's); the trainer's optimizer goes through
 fleet.distributed_optimizer -> HybridParallelOptimizer, whose step() all-reduces the gradients
 over fleet's data-parallel group (fused_allreduce_gradients: buckets, each multiplied by 1/dp
 and summed) before it calls the inner optimizer's step().
@@ -177,7 +178,7 @@ class FleetDataParallel:
         """fleet's step over the gradients `grads` of `named` (name, parameter); update(grads
         reduced over dp) runs inside it. Returns what update returns."""
         staged, out = [], {}
-        for (n, p), g in zip(named, grads):
+        for (n, _), g in zip(named, grads):
             t = optimizer.targets[n]
             if t._grad_ivar() is None:   # a DTensor's shard, or no gradient this step
                 t.main_grad = g

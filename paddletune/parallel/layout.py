@@ -145,7 +145,9 @@ class Parallel:
         tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in keys} for b in micro_batches]
         dp = self._hybrid_factor()
 
-        def stage_loss(h, b):   # fleet's dp mean: loss_sum x dp (data.FleetDataParallel)
+        # fleet's dp mean (data.FleetDataParallel): the last stage back-propagates loss_sum x dp;
+        # the summed loss it returns is divided back (exact for a power-of-two dp)
+        def stage_loss(h, b):
             out = loss_of(self.model, h, b["labels"])
             return out if dp == 1 else dataclasses.replace(out, loss_sum=out.loss_sum * dp)
 
