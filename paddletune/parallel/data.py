@@ -26,8 +26,15 @@ a step has no gradient; the reducer then treats it as ready instead of waiting f
 otherwise (it costs a graph traversal per step). Measured (paddle 3.3.1, gloo, tests/test_fleet.py
 dead-expert case): a run with it off also matched one process, so that test pins the setting but
 cannot show it is needed on this build. Not used here: expert parallel (each rank holds
-other experts: their groups are expert.py's), tensor / pipeline parallel and sharding (their
-gradient reductions stay layout.py's).
+other experts: their groups are expert.py's) and sharding (sharding.py; issue 30 moves it to
+fleet's sharding optimizers).
+
+Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no reducer
+during backward (fleet's TensorParallel / PipelineParallel model wrappers have none either: their
+data-parallel sum is the optimizer's); the trainer's optimizer goes through
+fleet.distributed_optimizer -> HybridParallelOptimizer, whose step() all-reduces the gradients
+over fleet's data-parallel group (fused_allreduce_gradients: buckets, each multiplied by 1/dp
+and summed) before it calls the inner optimizer's step().
 """
 import contextlib
 import logging
@@ -101,6 +108,97 @@ class DataReducer:
             return
         self.wrapped._reducer.prepare_for_backward([loss])
         loss.backward()
+
+
+class FleetDataParallel:
+    """TP x DP / PP x DP: the data-parallel gradient reduction of fleet's HybridParallelOptimizer.
+
+        hdp = FleetDataParallel.for_layout(topo, tp, pp, shard, ep)   # None where it does not apply
+        hdp.wrap(optimizer)                 # trainer/optim.AdamW: its paddle AdamW under fleet
+        norm = hdp.step(optimizer, named, grads, update)   # update(reduced grads) -> grad norm
+
+    Order: backward -> HybridParallelOptimizer.step() = fused_allreduce_gradients over the dp
+    group -> the inner (paddle) optimizer's step(), which here is `update`: the trainer's own
+    sums over TP / PP replicas, fp16 unscale, global norm, clipping and AdamW update. Why the
+    inner step and not HybridParallelClipGrad: our norm knows replicated key/value heads, a tied
+    embedding across stages and vocabulary padding (layout.Parallel.grad_norm), fleet's does not;
+    and running it inside the step puts it after fleet's reduction (the norm of the summed
+    gradient, as one process computes it) without calling fleet's private methods. The paddle
+    AdamW gets no grad_clip, so fleet leaves its clipping alone.
+
+    Paddle averages, paddletune sums: fused_allreduce_gradients multiplies each bucket by 1/dp
+    (hybrid_parallel_util.py fused_allreduce_gradients -> scale 1/nranks of the dp group) before
+    the SUM all-reduce. The local loss is therefore multiplied by dp before backward
+    (layout.Parallel.backward_loss; under PP the last stage's loss_sum, layout.Parallel.backward),
+    so fleet's (1/dp) sum_r (dp g_r) = sum_r g_r: one process's gradient of loss_sum / N_global.
+    The logged loss is not scaled.
+
+    What fleet reads: the optimizer's parameters' gradients (param._grad_ivar(), or .main_grad
+    when a parameter has none). A trainable tensor whose gradient is not on the tensor the paddle
+    optimizer holds (a DTensor's local shard under tensor parallel) or that got no gradient this
+    step is given its gradient as .main_grad for the step (removed after): every dp rank passes
+    the same tensors, so fleet's buckets match across ranks."""
+
+    def __init__(self, hcg, degree):
+        self.hcg, self.degree = hcg, degree
+        self.hybrid = None     # fleet's HybridParallelOptimizer, after wrap
+        self._update = None    # the trainer's update of this step (called by the inner step)
+
+    @classmethod
+    def for_layout(cls, topo, tp, pp, shard, ep):
+        if (topo.hcg is None or topo.dp_degree <= 1 or (tp is None and pp is None)
+                or shard is not None or ep is not None or topo.sharding_degree > 1):
+            return None
+        return cls(topo.hcg, topo.dp_degree)
+
+    def wrap(self, optimizer):
+        """fleet.distributed_optimizer over optimizer.opt (a paddle.optimizer.AdamW); its step()
+        becomes this object's hook (the update of the current step)."""
+        from paddle.distributed import fleet
+
+        inner = optimizer.opt
+        # fleet's mp sync_param (on by default) broadcasts, after each step, the parameters its
+        # name filter takes for replicated ones from the first TP rank: ours are equal on every
+        # TP rank by construction (the same summed gradient and update), and the filter needs
+        # `is_distributed`, which a DTensor's local shard lacks; off
+        fleet.fleet._user_defined_strategy.hybrid_configs["mp_configs"].sync_param = False
+        self.hybrid = fleet.distributed_optimizer(inner)
+        if not (self.hybrid._dp_enable and not self.hybrid._sharding_enable):
+            raise RuntimeError(f"fleet's HybridParallelOptimizer does not reduce over dp here "
+                               f"(dp_enable {self.hybrid._dp_enable}, sharding "
+                               f"{self.hybrid._sharding_enable}); paddle changed its rules?")
+        inner.step = self._inner_step
+        logger.info(f"data parallel: fleet's HybridParallelOptimizer reduces gradients over "
+                    f"{self.degree} data-parallel ranks in its step")
+
+    def _inner_step(self):
+        self._update()
+
+    def step(self, optimizer, named, grads, update):
+        """fleet's step over the gradients `grads` of `named` (name, parameter); update(grads
+        reduced over dp) runs inside it. Returns what update returns."""
+        staged, out = [], {}
+        for (n, _), g in zip(named, grads):
+            t = optimizer.targets[n]
+            if t._grad_ivar() is None:   # a DTensor's shard, or no gradient this step
+                t.main_grad = g
+                staged.append(t)
+        stage = {id(t) for t in staged}
+
+        def run():
+            # (read again: fleet writes the reduced values into the gradient tensors it found)
+            reduced = [t.main_grad if id(t) in stage else t.grad
+                       for t in (optimizer.targets[n] for n, _ in named)]
+            out["result"] = update(reduced)
+
+        self._update = run
+        try:
+            self.hybrid.step()
+        finally:
+            self._update = None
+            for t in staged:
+                del t.main_grad
+        return out["result"]
 
 
 @contextlib.contextmanager

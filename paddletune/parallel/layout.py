@@ -1,19 +1,31 @@
 """The one parallel object the Trainer talks to: every axis of a run's layout behind one face.
 
     par, trainable = Parallel.for_trainer(model, topo, args, trainable, has_own_loss)
+    par.after_setup(trainable, optimizer)     # fleet's optimizer wrapper (hybrid data parallel)
     par.begin_step(trainable); acc = par.backward(micro_batches, n_global, loss_fn, per_micro)
-    grads = par.reduce_grads(named, grads); norm = par.grad_norm(named, grads)
+    norm = par.step(optimizer, named, update)  # update(grads) after the data-parallel reduction:
+        grads = par.reduce_grads(named, grads); norm = par.grad_norm(named, grads); ...
     par.after_step(trainable); par.pieces(trainable, optimizer); par.export(...)
 
 It composes this package's helpers: tensor parallel (tensor.py: DTensor slices, vocabulary-
 parallel loss), pipeline stages (pipeline.py), expert parallel / MoE router statistics
-(expert.py), sharding stages 1-3 (sharding.py) and the data-parallel gradient sum
-(paddle.DataParallel's reducer when data parallel is alone: data.py; else
-Topology.all_reduce_grads). An axis that is off is None here, and with every axis off (one
-process, or plain data parallel) each method is the single-device operation (plus the data-
-parallel sum). The bodies are the Trainer's former per-axis branches, moved unchanged.
+(expert.py), sharding stages 1-3 (sharding.py) and the data-parallel gradient sum. An axis that
+is off is None here, and with every axis off (one process) each method is the single-device
+operation. The bodies are the Trainer's former per-axis branches, moved unchanged.
+
+Who sums the data-parallel gradients, by layout:
+- data parallel alone: paddle.DataParallel's reducer during backward (data.DataReducer);
+- data parallel with tensor and / or pipeline parallel: fleet's HybridParallelOptimizer.step
+  (data.FleetDataParallel, `hybrid` here); our sums over TP / PP replicas, norm and clipping
+  run inside its step, after its reduction;
+- sharding (any stage, with or without TP / PP): ours (sharding.py; stage 1 through
+  Topology.all_reduce_grads). fleet's sharding optimizers replace the parameter and state
+  layout, which checkpoints and sharding's tests are built on: issue 30 moves them;
+- Mixture-of-Experts on several data ranks (expert.py's groups: expert-data groups are not
+  fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
 import contextlib
+import dataclasses
 
 import numpy as np
 import paddle
@@ -25,11 +37,13 @@ class Parallel:
     """This rank's layout for training. tp: tensor.TensorParallel; pp: pipeline.Pipeline (this
     rank's stage); ep: expert.ExpertParallel (MoE on > 1 data rank); shard: sharding.Sharding;
     each None when that axis is off. dp: data.DataReducer, paddle.DataParallel's reducer when
-    the run is data parallel alone (its gradients are reduced during backward)."""
+    the run is data parallel alone (its gradients are reduced during backward). hybrid:
+    data.FleetDataParallel when data parallel runs with TP / PP (fleet's optimizer reduces)."""
 
-    def __init__(self, model, topo, tp=None, pp=None, ep=None, shard=None, dp=None):
+    def __init__(self, model, topo, tp=None, pp=None, ep=None, shard=None, dp=None, hybrid=None):
         self.model, self.topo = model, topo
         self.tp, self.pp, self.ep, self.shard, self.dp = tp, pp, ep, shard, dp
+        self.hybrid = hybrid
 
     @classmethod
     def for_trainer(cls, model, topo, args, trainable, own_loss=False):
@@ -70,6 +84,9 @@ class Parallel:
             from .data import DataReducer
 
             par.dp = DataReducer.for_model(model, topo, trainable)
+        from .data import FleetDataParallel
+
+        par.hybrid = FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep)
         return par, trainable
 
     # ---------------------------------------------------------------- tensors
@@ -100,7 +117,9 @@ class Parallel:
         return self.shard is not None and self.shard.offload
 
     # ---------------------------------------------------------------- one step
-    def after_setup(self, trainable):
+    def after_setup(self, trainable, optimizer=None):
+        if self.hybrid is not None and optimizer is not None:   # fleet's step reduces over dp
+            self.hybrid.wrap(optimizer)
         if self.shard is not None:
             self.shard.release(trainable)   # stage 3: non-owned values dropped between steps
 
@@ -124,12 +143,26 @@ class Parallel:
             return per_micro(micro_batches) if self.dp is None else self.dp.run(micro_batches, per_micro)
         loss_of = hidden_loss_for(self.model)
         tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in keys} for b in micro_batches]
-        acc = self.pp.train_step(tensors, lambda h, b: loss_of(self.model, h, b["labels"]), n_global)
-        return self.pp.sum_over_stages(acc)
+        dp = self._hybrid_factor()
+
+        # fleet's dp mean (data.FleetDataParallel): the last stage back-propagates loss_sum x dp;
+        # the summed loss it returns is divided back (exact for a power-of-two dp)
+        def stage_loss(h, b):
+            out = loss_of(self.model, h, b["labels"])
+            return out if dp == 1 else dataclasses.replace(out, loss_sum=out.loss_sum * dp)
+
+        acc = self.pp.train_step(tensors, stage_loss, n_global)
+        return self.pp.sum_over_stages(acc if dp == 1 else acc / dp)
+
+    def _hybrid_factor(self):
+        return 1 if self.hybrid is None else self.hybrid.degree
 
     def backward_loss(self, loss):
-        """loss.backward(); under paddle.DataParallel with its reducer and scale (data.py)."""
-        if self.dp is None:
+        """loss.backward(); under paddle.DataParallel with its reducer and scale, under fleet's
+        hybrid optimizer with its scale dp (data.py)."""
+        if self.hybrid is not None:
+            (loss * float(self.hybrid.degree)).backward()
+        elif self.dp is None:
             loss.backward()
         else:
             self.dp.backward(loss)
@@ -147,8 +180,8 @@ class Parallel:
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
         if self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
-        elif self.dp is not None:   # paddle's reducer summed them during backward (data.py)
-            pass
+        elif self.dp is not None or self.hybrid is not None:
+            pass   # paddle's reducer summed them during backward / fleet's optimizer (data.py)
         elif self.ep is not None:   # experts' gradients over the ranks holding the same experts
             grads = self.ep.reduce_grads(names, grads)
         else:
@@ -158,6 +191,14 @@ class Parallel:
                 if g is None or self.shard.stage < 2:
                     trainable[n].clear_gradient(False)
         return grads
+
+    def step(self, optimizer, named, update):
+        """update(grads of `named`, data-parallel summed) -> its result: directly, or inside
+        fleet's HybridParallelOptimizer.step after its reduction (data.FleetDataParallel)."""
+        grads = [self.grad(p) for _, p in named]
+        if self.hybrid is None:
+            return update(grads)
+        return self.hybrid.step(optimizer, named, grads, update)
 
     def grad_norm(self, named, grads):
         """The whole model's gradient norm: TP slices summed over their ranks (replicated heads

@@ -12,9 +12,13 @@ p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update)
 - The no-decay rule (`no_decay`) goes through apply_decay_param_fun (called with param.name).
 - The learning rate of each step comes from the trainer (`lr_at`): set_lr fills paddle's lr
   tensor in place (no host sync).
-- Gradients arrive explicitly (after the trainer's data-parallel reduction and clipping, a
-  DTensor's local slice): each group's (parameter, gradient) pairs go to the same
-  _apply_optimize call paddle's step() makes with the .grad it reads.
+- Gradients arrive explicitly (after the data-parallel reduction and clipping, a DTensor's
+  local slice): each group's (parameter, gradient) pairs go to the same _apply_optimize call
+  paddle's step() makes with the .grad it reads.
+- Data parallel with tensor / pipeline parallel: `opt` is also wrapped by
+  fleet.distributed_optimizer (parallel/data.py FleetDataParallel); the trainer then calls
+  fleet's HybridParallelOptimizer.step(), which reduces the gradients over the data-parallel
+  group and calls opt.step(), replaced by the trainer's update (which ends in step() here).
 - One map from paddle's names (param.name: the key of its moment1_0 / moment2_0 /
   beta1_pow_acc_0 / beta2_pow_acc_0 accumulators) to full-model names keeps the checkpoint format:
   "<name>.exp_avg", "<name>.exp_avg_sq" and the step count; paddle's beta-power accumulators
@@ -65,6 +69,8 @@ class AdamW:
             # parameter: paddle's optimizer skips stop_gradient ones and keeps a group's lr scale
             # in optimize_attr
             t.stop_gradient = False
+            if not hasattr(t, "trainable"):   # read by fleet's gradient reduction (data.py)
+                t.trainable = True
             if getattr(t, "optimize_attr", None) is None:
                 t.optimize_attr = {"learning_rate": 1.0}
             groups.setdefault(float(self.lr_scales.get(n, 1.0)), []).append(t)

@@ -117,7 +117,8 @@ class Trainer:
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
                                offload=self.par.offload,
                                **({"multi_precision": True} if self.precision.o2 else {}))
-        self.par.after_setup(self.trainable)   # sharding stage 3: non-owned values dropped
+        # sharding stage 3: non-owned values dropped; hybrid data parallel: fleet's optimizer
+        self.par.after_setup(self.trainable, self.optimizer)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
                       "best_metric": None, "best_step": None}
         self.main = self.topo.is_main
@@ -186,20 +187,27 @@ class Trainer:
         self.par.check_micro_batches(k, k_sum, k_sq)   # expert parallel: equal counts
         self.par.begin_step(self.trainable)
         loss_acc = self._backward(micro_batches, n_global)
-        names = list(self.trainable)
-        named = [(n, self.trainable[n]) for n in names]
-        grads = self.par.reduce_grads(self.trainable, named, [self.par.grad(p) for _, p in named])
-        self.skipped = self.precision.unscale(grads)   # fp16: unscaled in place; overflowed?
-        norm = self.par.grad_norm(named, grads)
-        if not self.skipped:
-            self._clip(grads, norm)
-            self.par.before_update(self.trainable, grads, self.optimizer)
-            self.optimizer.step({n: g for n, g in zip(names, grads) if g is not None}, lr)
+        named = list(self.trainable.items())
+        # the update runs after the data-parallel reduction (inside fleet's optimizer step under
+        # TP / PP x DP: parallel/layout.py Parallel.step)
+        norm = self.par.step(self.optimizer, named, lambda grads: self._update(named, grads, lr))
         for p in self.trainable.values():
             p.clear_gradient(False)
         if not self.skipped:
             self.par.after_step(self.trainable)   # sharding: owners' new values to the group
         return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
+
+    def _update(self, named, grads, lr):
+        """Sums over TP / PP replicas, fp16 unscale, global norm, clipping and AdamW on this
+        rank's (data-parallel reduced) gradients; returns the norm."""
+        grads = self.par.reduce_grads(self.trainable, named, grads)
+        self.skipped = self.precision.unscale(grads)   # fp16: unscaled in place; overflowed?
+        norm = self.par.grad_norm(named, grads)
+        if not self.skipped:
+            self._clip(grads, norm)
+            self.par.before_update(self.trainable, grads, self.optimizer)
+            self.optimizer.step({n: g for (n, _), g in zip(named, grads) if g is not None}, lr)
+        return norm
 
     def _clip(self, grads, norm):
         """Global-norm clipping, g *= min(1, max_grad_norm / (norm + 1e-6)). On a GPU (or with
