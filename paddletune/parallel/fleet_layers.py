@@ -94,6 +94,13 @@ def build(m, kind, tp):
     new._parameters["weight"] = w
     if kind != "vocab":
         new._parameters["bias"] = m.bias
+    # the marks fleet's __init__ gives its own parameters (its HybridParallelClipGrad and
+    # broadcast_mp_parameters read them): a split tensor is distributed, along split_axis
+    for leaf, axis in {"column": (("weight", 1), ("bias", 0)), "row": (("weight", 0),),
+                       "vocab": (("weight", 0),)}[kind]:
+        p = new._parameters.get(leaf)
+        if p is not None:
+            p.is_distributed, p.split_axis = True, axis
         # LoRA / adapters / BitFit size themselves by these (the DTensor's global shape, as
         # peft.common.linear_dims read them off nn.Linear's weight)
         new.in_features, new.out_features = shape
