@@ -105,6 +105,8 @@ def build(m, kind, tp):
         # peft.common.linear_dims read them off nn.Linear's weight)
         new.in_features, new.out_features = shape
     new.training = m.training
+    # hooks registered on the module before (same dicts: their remove handles keep working)
+    new._forward_pre_hooks, new._forward_post_hooks = m._forward_pre_hooks, m._forward_post_hooks
     if kind != "vocab":   # x @ W (+ b): models/loss.linear_head's head, BitFit's bias target
         new.plain_linear = True
     for key, value in vars(m).items():   # attributes the model code set on the module
