@@ -20,7 +20,8 @@ widths set on the new layer as on the old. The new layer holds the SAME paramete
 DTensor slices load_sharded read: no rank reads a full weight) under the same attribute, so
 parameter names, checkpoints and exports do not change. Its __init__ would create a random
 local weight (and a zero bias) in the mp RNG tracker's state: it runs under paddle.LazyGuard,
-so those are never allocated, and are then replaced by ours.
+so those are never allocated, and are then replaced by ours (they keep fleet's is_distributed /
+split_axis marks; hooks already on the old module move over).
 
 Forward is fleet's (`type(layer).forward`), with one change for column layers: Megatron's f
 (mp_ops._c_identity, identity forward / all-reduce backward) runs once per distinct input
@@ -29,7 +30,7 @@ per layer - so the instance's own identity is off (`is_mp = False`, which in
 ColumnParallelLinear.forward only guards the identity and the output gather, both unused here;
 the async-allreduce variants, whose backward all-reduces per layer, are turned off too). Row
 and vocabulary layers run fleet's forward as it is (g = mp_ops._mp_allreduce after the local
-matmul / lookup, the row bias added once after the sum); a wrapper only records the collective
+matmul / the c_embedding lookup, which has a CPU kernel; the row bias added once after the sum); a wrapper only records the collective
 in `tp.log` for the tests' counts. The layers run inside tensor.local_params, so fleet's
 forward sees the local shards of the DTensor parameters.
 
@@ -40,11 +41,12 @@ Kept on tensor.py's patched forwards over the same mp_ops (install):
     normalises the weight before the matmul, which fleet's forward would skip;
   - a float layer whose bias dtype differs from its weight's (F.linear takes one dtype; ours
     casts the bias);
-  - modules whose weight was not loaded on this rank (another pipeline stage's, other ranks'
-    experts), and every module when the run has no fleet HybridCommunicateGroup.
+  - modules whose weight was not loaded on this rank (another pipeline stage's), and every
+    module when the run has no fleet HybridCommunicateGroup.
 PEFT wraps fleet's layers as it wrapped nn.Linear (LoRA / adapters keep the layer as
 `base_layer`; BitFit adds a bias that fleet's forward then uses), so no planned module stays
-patched because of PEFT.
+patched because of PEFT. (LoRA's in-memory merge() still takes only nn.Linear bases; under
+TP adapters are merged from checkpoints, llm/merge_tp_and_pp_params.py, as before.)
 """
 import types
 
