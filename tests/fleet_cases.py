@@ -160,7 +160,16 @@ def mp_ops_case(ckpt, tp=2, quant=None):
             "ours_types": {n: type(m).__name__ for n, m in ours.named_sublayers()
                            if getattr(m, "_pt_tp", False)},
             "shims": {k: getattr(v, "__module__", "") for k, v in originals.items()},
+            # state-dict names, global / local shapes and dtypes: fleet's layers vs the former
+            "params": [_param_row(n, p) for n, p in model.state_dict().items()],
+            "ours_params": [_param_row(n, p) for n, p in ours.state_dict().items()],
+            "uninitialized": [n for n, p in model.named_parameters() if not p._is_initialized()],
             "fleet": fleet_run, "ours": ours_run}
+
+
+def _param_row(name, p):
+    loc = p._local_value() if p.is_dist() else p
+    return [name, list(p.shape), list(loc.shape), str(p.dtype)]
 
 
 def _fingerprint(grads):

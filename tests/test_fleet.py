@@ -111,6 +111,8 @@ def _check_mp_ops(res):
         assert res["logits_pass"][name] == (1 if res["is_fleet"][name] else 0), name
     n_f = sum(counts[n]["_c_identity"] for n, k in kinds.items() if k == "column")
     assert n_f == res["distinct_column_inputs"] > 0
+    # fleet's layers hold the loaded slices under the former names (checkpoints, exports)
+    assert res["params"] == res["ours_params"] and res["uninitialized"] == []
     # the comparison model ran on our former executors: no fleet layer in it
     assert set(res["ours_types"]) == set(kinds)
     assert not set(res["ours_types"].values()) & set(FLEET.values())
