@@ -442,8 +442,8 @@ def install(model, tp):
     """Put fleet's ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding in place of
     the planned float layers (fleet_layers.parallelize), patch the other planned modules'
     forwards with the executors above, and apply local execution to a model whose parameters
-    are DTensors (loading.load_model calls this under TP). Idempotent for adapters added later: call
-    `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
+    are DTensors (loading.load_model calls this under TP). Idempotent for adapters added
+    later: call `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
     from .fleet_layers import parallelize
 
     spec = model.spec
