@@ -69,32 +69,59 @@ def _tp_step(model, tp_mod, fleet_ops):
     return float(loss), grads, wire
 
 
-def mp_ops_case(ckpt, tp=2):
-    """Under TP, every planned module's communication goes through fleet's mp_ops: calls counted
-    per module in forward; and the wire (recorder) equals the one of our former PyLayers."""
+def mp_ops_case(ckpt, tp=2, quant=None):
+    """Under TP, every planned float module is fleet's layer class and runs that class's forward
+    (calls counted per module); all planned modules' communication goes through fleet's mp_ops
+    (calls counted per module in forward); and loss, gradients and wire (recorder) equal those
+    of our former executors (patched forwards over our PyLayers) on the same checkpoint.
+    `quant`: the model's linears quantized (they keep the patched forward over mp_ops)."""
+    import paddle
+    from paddle.distributed.fleet import meta_parallel
     from paddle.distributed.fleet.layers.mpu import mp_ops
 
     from paddletune import parallel
     from paddletune.loading import load_model
+    from paddletune.parallel import fleet_layers
     from paddletune.parallel import tensor as tp_mod
 
     topo = parallel.init(_args(tp))
-    model = load_model(ckpt, topology=topo)
+    q = None
+    if quant:
+        from paddletune.args import QuantArgument
+
+        q = QuantArgument(weight_quantize_algo=quant)
+    model = load_model(ckpt, topology=topo, quant=q)
     planned = {n: m for n, m in model.named_sublayers() if getattr(m, "_pt_tp", False)}
-    counts = {n: {"_c_identity": 0, "_mp_allreduce": 0} for n in planned}
+    counts = {n: {"_c_identity": 0, "_mp_allreduce": 0, "fleet_forward": 0} for n in planned}
     column_inputs, current = {}, []
     originals = {k: getattr(mp_ops, k) for k in ("_c_identity", "_mp_allreduce")}
+    classes = {k: getattr(meta_parallel, k) for k in
+               ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")}
+    class_forwards = {k: c.forward for k, c in classes.items()}
+    names = {id(m): n for n, m in planned.items()}
+
+    logits_pass = {n: 0 for n in planned}   # fleet forwards in a plain forward to the logits
+    phase = [counts]
 
     def counting(kind):
         def fn(*a, **k):
-            if current:
+            if current and phase[0] is counts:
                 counts[current[-1]][kind] += 1
             return originals[kind](*a, **k)
         return fn
 
+    def class_counting(fwd):
+        def fn(self, *a, **k):
+            if phase[0] is counts:
+                counts[names[id(self)]]["fleet_forward"] += 1
+            else:
+                logits_pass[names[id(self)]] += 1
+            return fwd(self, *a, **k)
+        return fn
+
     def entering(name, fwd):
         def fn(x, *a, **k):
-            if planned[name]._pt_tp == "column":
+            if planned[name]._pt_tp == "column" and phase[0] is counts:
                 column_inputs.setdefault(id(x), x)      # kept alive: ids stay distinct
             current.append(name)
             try:
@@ -107,17 +134,42 @@ def mp_ops_case(ckpt, tp=2):
         m.forward = entering(name, m.forward)
     for k in originals:
         setattr(mp_ops, k, counting(k))
+    for k, c in classes.items():
+        c.forward = class_counting(class_forwards[k])
     try:
         fleet_run = _tp_step(model, tp_mod, True)
+        phase[0] = logits_pass   # the LM head's forward runs here (the loss uses its weight)
+        with paddle.no_grad():
+            model(paddle.to_tensor([[5, 9, 17, 3]], dtype="int64"))
     finally:
         for k, v in originals.items():
             setattr(mp_ops, k, v)
+        for k, c in classes.items():
+            c.forward = class_forwards[k]
     n_inputs = len(column_inputs)
-    ours_run = _tp_step(model, tp_mod, False)
+    fleet_layers.ENABLED = False   # the same checkpoint on our former executors
+    try:
+        ours = load_model(ckpt, topology=topo, quant=q)
+    finally:
+        fleet_layers.ENABLED = True
+    ours_run = _tp_step(ours, tp_mod, False)
     return {"kinds": {n: m._pt_tp for n, m in planned.items()}, "counts": counts,
-            "distinct_column_inputs": n_inputs,
+            "distinct_column_inputs": n_inputs, "logits_pass": logits_pass,
+            "types": {n: type(m).__name__ for n, m in planned.items()},
+            "is_fleet": {n: isinstance(m, tuple(classes.values())) for n, m in planned.items()},
+            "ours_types": {n: type(m).__name__ for n, m in ours.named_sublayers()
+                           if getattr(m, "_pt_tp", False)},
             "shims": {k: getattr(v, "__module__", "") for k, v in originals.items()},
+            # state-dict names, global / local shapes and dtypes: fleet's layers vs the former
+            "params": [_param_row(n, p) for n, p in model.state_dict().items()],
+            "ours_params": [_param_row(n, p) for n, p in ours.state_dict().items()],
+            "uninitialized": [n for n, p in model.named_parameters() if not p._is_initialized()],
             "fleet": fleet_run, "ours": ours_run}
+
+
+def _param_row(name, p):
+    loc = p._local_value() if p.is_dist() else p
+    return [name, list(p.shape), list(loc.shape), str(p.dtype)]
 
 
 def _fingerprint(grads):

@@ -83,28 +83,66 @@ def tp2(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fleet_tp2")
     ckpt, _ = hf_checkpoint(str(tmp / "ckpt"))
-    return launch_cases([("mp_ops", "fleet_cases:mp_ops_case", {"ckpt": ckpt})], tmp, nproc=2)
+    return launch_cases([("mp_ops", "fleet_cases:mp_ops_case", {"ckpt": ckpt}),
+                         ("nf4", "fleet_cases:mp_ops_case", {"ckpt": ckpt, "quant": "nf4"})],
+                        tmp, nproc=2)
 
 
-def test_tp2_every_planned_module_communicates_through_fleets_mp_ops(tp2):
+FLEET = {"column": "ColumnParallelLinear", "row": "RowParallelLinear", "vocab": "VocabParallelEmbedding"}
+
+
+def _check_mp_ops(res):
+    kinds, counts = res["kinds"], res["counts"]
+    assert {"column", "row", "vocab"} <= set(kinds.values()), kinds
+    # cpu_compat's shims stand in for paddle's on this CPU build
+    assert res["shims"] == {"_c_identity": "paddletune.parallel.cpu_compat",
+                            "_mp_allreduce": "paddletune.parallel.cpu_compat"}
+    for name, kind in kinds.items():
+        c = counts[name]
+        if kind in ("row", "vocab"):    # g: one fleet all-reduce of the partial output
+            assert (c["_c_identity"], c["_mp_allreduce"]) == (0, 1), (name, c)
+        else:                           # f once per distinct input (q/k/v share one)
+            assert c["_mp_allreduce"] == 0 and c["_c_identity"] in (0, 1), (name, c)
+        # fleet's class forward ran once per pass for each fleet layer, never for the others;
+        # the loss step uses the LM head's weight directly (parallel/vocab.py's row-blocked
+        # cross-entropy): its forward runs in the plain forward to the logits
+        step = 0 if name == "lm_head" else 1
+        assert c["fleet_forward"] == (step if res["is_fleet"][name] else 0), (name, c)
+        assert res["logits_pass"][name] == (1 if res["is_fleet"][name] else 0), name
+    n_f = sum(counts[n]["_c_identity"] for n, k in kinds.items() if k == "column")
+    assert n_f == res["distinct_column_inputs"] > 0
+    # fleet's layers hold the loaded slices under the former names (checkpoints, exports)
+    assert res["params"] == res["ours_params"] and res["uninitialized"] == []
+    # the comparison model ran on our former executors: no fleet layer in it
+    assert set(res["ours_types"]) == set(kinds)
+    assert not set(res["ours_types"].values()) & set(FLEET.values())
+
+
+def test_tp2_every_planned_float_module_is_fleets_layer(tp2):
+    """Float model: every planned module (all plain float Linear / Embedding) IS fleet's class
+    for its kind and runs that class's forward, its communication through fleet's mp_ops."""
     for res in tp2["mp_ops"]:
-        kinds, counts = res["kinds"], res["counts"]
-        assert {"column", "row", "vocab"} <= set(kinds.values()), kinds
-        # cpu_compat's shims stand in for paddle's on this CPU build
-        assert res["shims"] == {"_c_identity": "paddletune.parallel.cpu_compat",
-                                "_mp_allreduce": "paddletune.parallel.cpu_compat"}
-        for name, kind in kinds.items():
-            c = counts[name]
-            if kind in ("row", "vocab"):    # g: one fleet all-reduce of the partial output
-                assert c == {"_c_identity": 0, "_mp_allreduce": 1}, (name, c)
-            else:                           # f once per distinct input (q/k/v share one)
-                assert c["_mp_allreduce"] == 0 and c["_c_identity"] in (0, 1), (name, c)
-        n_f = sum(counts[n]["_c_identity"] for n, k in kinds.items() if k == "column")
-        assert n_f == res["distinct_column_inputs"] > 0
+        _check_mp_ops(res)
+        assert res["types"] == {n: FLEET[k] for n, k in res["kinds"].items()}, res["types"]
+        assert all(res["is_fleet"].values())
 
 
-def test_tp2_fleet_mp_ops_move_what_our_pylayers_moved(tp2):
-    for res in tp2["mp_ops"]:
+def test_tp2_quantized_linears_keep_the_patched_forward_over_mp_ops(tp2):
+    """nf4 model: the quantized linears cannot be fleet's float layers; they keep the patched
+    forward over the same mp_ops; the float embedding and head are fleet's."""
+    for res in tp2["nf4"]:
+        _check_mp_ops(res)
+        quantized = {n for n, t in res["types"].items() if t not in FLEET.values()}
+        assert quantized and all(".layers." in n for n in quantized), res["types"]
+        assert not any(res["is_fleet"][n] for n in quantized)
+        fleet = {n: t for n, t in res["types"].items() if n not in quantized}
+        assert fleet == {n: FLEET[res["kinds"][n]] for n in fleet} and "model.embed_tokens" in fleet
+
+
+def test_tp2_fleet_layers_move_what_our_executors_moved(tp2):
+    """Fleet's layers and mp_ops vs our former patched forwards over our PyLayers, same
+    checkpoint and batch: equal loss, gradients and wire, exactly."""
+    for res in tp2["mp_ops"] + tp2["nf4"]:
         loss_f, grads_f, wire_f = res["fleet"]
         loss_o, grads_o, wire_o = res["ours"]
         assert wire_f == wire_o and any(op == "all_reduce" for op, *_ in wire_f)

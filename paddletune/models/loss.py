@@ -62,7 +62,8 @@ def linear_head(model, view=None):
     if head is None:
         return view(model.get_input_embeddings().weight), True
     transform = getattr(head, "weight_transform", None)
-    if (type(head) is nn.Linear or transform is not None) and head.bias is None:
+    plain = type(head) is nn.Linear or getattr(head, "plain_linear", False)   # (fleet's column layer)
+    if (plain or transform is not None) and head.bias is None:
         w = view(head.weight)
         return (transform(w) if transform is not None else w), False
     return None

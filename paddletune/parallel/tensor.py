@@ -440,18 +440,25 @@ def global_grad_norm(sq_terms, split_flags, tp, excess=None):
 # ------------------------------------------------------------------------------ installing
 
 def install(model, tp):
-    """Apply the plan's executors and local execution to a model whose parameters are DTensors
-    (loading.load_model calls this under TP). Idempotent for adapters added later: call
-    `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
+    """Put fleet's ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding in place of
+    the planned float layers (fleet_layers.parallelize), patch the other planned modules'
+    forwards with the executors above, and apply local execution to a model whose parameters
+    are DTensors (loading.load_model calls this under TP). Idempotent for adapters added
+    later: call `finalize(model, tp)` after PEFT wrapped layers or added parameters."""
+    from .fleet_layers import parallelize
+
     spec = model.spec
+    fleet_made = parallelize(model, tp)   # plain float layers: fleet's classes, fleet's forward
     for name, m in model.named_sublayers():
         kind = module_kind(spec, name)
-        if (kind not in ("column", "row", "vocab") or getattr(m, "_pt_tp", False)
+        if (kind not in ("column", "row", "vocab")
+                or getattr(m, "_pt_tp", False) and name not in fleet_made
                 or not hasattr(m, "weight") and not hasattr(m, "algo")):
             continue
-        fwd = {"column": column_forward, "row": row_forward, "vocab": vocab_embedding_forward}[kind](tp)
-        m.forward = types.MethodType(fwd, m)
-        m._pt_tp = kind
+        if name not in fleet_made:   # what fleet's classes cannot express (fleet_layers docstring)
+            fwd = {"column": column_forward, "row": row_forward, "vocab": vocab_embedding_forward}[kind](tp)
+            m.forward = types.MethodType(fwd, m)
+            m._pt_tp = kind
         widths = local_part_widths(model, name, tp)
         if widths is not None:   # the rank's width of every output part (fused q|k|v)
             m.part_widths = widths

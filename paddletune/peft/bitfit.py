@@ -23,7 +23,7 @@ def add_bias(layer, name):
     """Give `layer` a zero bias [out] if it has none; returns True when one was added."""
     if getattr(layer, "bias", None) is not None:
         return False
-    if not isinstance(layer, nn.Linear):
+    if not (isinstance(layer, nn.Linear) or getattr(layer, "plain_linear", False)):   # (fleet's)
         raise ValueError(f"BitFit cannot add a bias to {name} ({type(layer).__name__}); only paddle "
                          "nn.Linear layers can take a new bias")
     out = linear_dims(layer)[1]
