@@ -50,9 +50,10 @@ __attribute__((always_inline)) inline float exp_le0(float x) { return exp_neg(x 
 // (ap = 1: row-major; ar = 1: A is the transpose of a row-major matrix), B row-major.
 // Register tile of R x V 8-float vectors; every B row is loaded once per R rows of A.
 // (An own micro-kernel keeps the library free of an MKL link; block shapes are small and fixed.)
-template <int R, int V>
-inline void tile(int64_t k, float alpha, const float* A, int64_t ar, int64_t ap, const float* B, int64_t ldb,
+template <int R, int V, int KC = 0>
+inline void tile(int64_t k_, float alpha, const float* A, int64_t ar, int64_t ap, const float* B, int64_t ldb,
                  float beta, float* C, int64_t ldc) {
+  const int64_t k = KC ? KC : k_;   // KC > 0: the depth known at compile time (unrolled: k = D = 32)
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 c[R][V];
   for (int r = 0; r < R; ++r)
@@ -100,6 +101,8 @@ inline void gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* A, i
     const float* a = A + i * ar;                                                                   \
     float* c = C + i * ldc;                                                                        \
     int64_t j = 0;                                                                                 \
+    if (k == 32 && ap == 1)                                                                        \
+      for (; j + 16 <= n; j += 16) tile<RR, 2, 32>(k, alpha, a, ar, 1, B + j, ldb, beta, c + j, ldc); \
     for (; j + 16 <= n; j += 16) tile<RR, 2>(k, alpha, a, ar, ap, B + j, ldb, beta, c + j, ldc);   \
     for (; j + 8 <= n; j += 8) tile<RR, 1>(k, alpha, a, ar, ap, B + j, ldb, beta, c + j, ldc);     \
     rest(i, RR, j);                                                                                \
