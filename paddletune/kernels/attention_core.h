@@ -207,6 +207,25 @@ inline float exp_shifted(float* p, int64_t cols, float shift) {
   return sum;
 }
 
+// one pass over a backward row: p[c] = exp(p[c] - L) (0 where blocked), dp[c] = p[c] (dp[c] - delta)
+inline void probs_and_ds(float* __restrict__ p, float* __restrict__ dp, int64_t cols, float L, float delta) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sh = _mm256_set1_ps(L), ninf = _mm256_set1_ps(-INFINITY), dl = _mm256_set1_ps(delta);
+  for (; c + 8 <= cols; c += 8) {
+    const __m256 x = _mm256_loadu_ps(p + c);
+    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp8_neg(_mm256_sub_ps(x, sh)));
+    _mm256_storeu_ps(p + c, e);
+    _mm256_storeu_ps(dp + c, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(dp + c), dl)));
+  }
+#endif
+  for (; c < cols; ++c) {
+    const float e = p[c] == -INFINITY ? 0.f : exp_le0(p[c] - L);
+    p[c] = e;
+    dp[c] = e * (dp[c] - delta);
+  }
+}
+
 // max of x[0..n) (-inf for an all -inf row)
 inline float row_max(const float* x, int64_t n) {
   float m = -INFINITY;
@@ -363,9 +382,7 @@ inline void backward(const Problem& P, const float* qp, const float* kp, const f
               std::fill(dr, dr + cols, 0.f);
               continue;
             }
-            exp_shifted(pr, cols, L);
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) dr[c] = pr[c] * (dr[c] - dl);
+            probs_and_ds(pr, dr, cols, L, dl);
           }
           gemm(cols, D, rows, 1.f, p, 1, cols, go, ld, 1.f, dv + j0 * D, D);                  // dv += p^T do
           gemm(rows, D, cols, P.scale, dp, cols, 1, kb + j0 * D, D, 1.f, dqh + i0 * D, D);    // dq += ds k
