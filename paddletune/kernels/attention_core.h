@@ -42,6 +42,9 @@ namespace ptattn {
 
 constexpr int64_t BR = 64;    // query rows per block
 constexpr int64_t BC = 256;   // keys per block: a [BR, BC] score block (64 KB) stays in L2
+// row stride of score blocks and k^T / v^T panels: BC + 16 floats, not a 1 KB multiple, whose rows
+// would share 4 of L1's 64 sets (the tiles walk 32-64 such rows per micro-kernel call)
+constexpr int64_t LDS = BC + 16;
 
 // exp(x) for x <= 0, clamped at -80 (fast_exp.h's polynomial)
 __attribute__((always_inline)) inline float exp_le0(float x) { return exp_neg(x < -80.f ? -80.f : x); }
@@ -114,10 +117,10 @@ inline void gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* A, i
 #undef PT_ROWS
 }
 
-// dst[cols, rows] = src[rows, cols]^T (src row stride lds)
-inline void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst) {
+// dst[cols, rows] = src[rows, cols]^T (row strides lds, ldd)
+inline void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * lds + c];
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
 // The problem and its masks; blocked(i, j) and the visible key range of a query block.
@@ -157,7 +160,7 @@ struct Problem {
     }
     return false;
   }
-  // set blocked scores of the [rows, cols] block at (i0, j0) (row stride cols) to -inf; false if all are
+  // set blocked scores of the [rows, cols] block at (i0, j0) (row stride LDS) to -inf; false if all are
   bool apply(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols, float* s) const {
     const int64_t wlo = window ? window[2 * b] - j0 : 0, whi = window ? window[2 * b + 1] - j0 : cols;
     if (!mask && (!causal || j0 + cols - 1 <= i0 + past) && wlo <= 0 && whi >= cols) {   // open unless packed
@@ -168,7 +171,7 @@ struct Problem {
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
-      float* sr = s + r * cols;
+      float* sr = s + r * LDS;
       const int64_t lim = std::min<int64_t>(causal ? i + past - j0 : cols - 1, whi - 1);   // last open column
       const int64_t first = std::max<int64_t>(starts ? starts[b * S + i] - j0 : 0, wlo);
       const bool* mr = mask ? mask + ((Bm == 1 ? 0 : b) * S + i) * T + j0 : nullptr;
@@ -252,38 +255,38 @@ inline void mean_v(const float* v, int64_t T, int64_t D, float* out) {
 // Forward: out [B, S, N, D], lse [B, N, S] (+inf marks a fully blocked row).
 inline void forward(const Problem& P, const float* qp, const float* kp, const float* vp, float* op, float* lp) {
   const int64_t B = P.B, N = P.N, S = P.S, T = P.T, D = P.D, nqb = (S + BR - 1) / BR;
-  // k^T per key block, made once: panel (b, kv head, block at j0) = [D, cols] at offset
-  // (b K + kv) T D + j0 D, row stride cols (not T: a 4 KB-multiple stride thrashes L1 sets)
-  std::vector<float> ktall(static_cast<size_t>(B * P.K * D * T));
+  // k^T per key block, made once: panel (b, kv head, block jb) = [D, LDS] at (bk nkb + jb) D LDS
+  const int64_t nkb = (T + BC - 1) / BC;
+  std::vector<float> ktall(static_cast<size_t>(B * P.K * nkb * D * LDS));
   std::atomic<int64_t> kdone{0};
 #pragma omp parallel
   for (int64_t bk = kdone++; bk < B * P.K; bk = kdone++)
     for (int64_t j0 = 0; j0 < T; j0 += BC)
-      transpose(kp + bk * T * D + j0 * D, std::min(BC, T - j0), D, D, ktall.data() + bk * T * D + j0 * D);
+      transpose(kp + bk * T * D + j0 * D, std::min(BC, T - j0), D, D, ktall.data() + (bk * nkb + j0 / BC) * D * LDS,
+                LDS);
   std::atomic<int64_t> next{0};   // tasks are claimed from this counter, see kTasksNote
 #pragma omp parallel
   {
-    std::vector<float> sb(BR * BC), acc(BR * D), m(BR), l(BR), mean(D);
+    std::vector<float> sb(BR * LDS), acc(BR * D), m(BR), l(BR), mean(D);
     for (int64_t task = next++; task < B * N * nqb; task = next++) {
       const int64_t b = task / (N * nqb), n = (task / nqb) % N, i0 = (task % nqb) * BR;
       const int64_t rows = std::min(BR, S - i0);
       const float* qi = qp + ((b * N + n) * S + i0) * D;
       const float* vb = vp + (b * P.K + n / P.g) * T * D;
-      const float* kt = ktall.data() + (b * P.K + n / P.g) * T * D;
+      const float* kt = ktall.data() + (b * P.K + n / P.g) * nkb * D * LDS;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       int64_t lo, hi;
       P.key_range(b, i0, i0 + rows, &lo, &hi);
       for (int64_t j0 = lo - lo % BC; j0 < hi; j0 += BC) {
-        const int64_t full = std::min(BC, T - j0), cols = P.block_cols(j0, hi);
+        const int64_t cols = P.block_cols(j0, hi);
         float* s = sb.data();
         if (!P.mask_open(b, i0, rows, j0, cols)) continue;
-        // the panel's row stride stays `full` (its layout); only the first cols columns are read
-        gemm(rows, cols, D, P.scale, qi, D, 1, kt + j0 * D, full, 0.f, s, cols);
+        gemm(rows, cols, D, P.scale, qi, D, 1, kt + j0 / BC * D * LDS, LDS, 0.f, s, LDS);
         if (!P.apply(b, i0, rows, j0, cols, s)) continue;
         for (int64_t r = 0; r < rows; ++r) {
-          float* sr = s + r * cols;
+          float* sr = s + r * LDS;
           const float bm = row_max(sr, cols);
           const float mn = bm > m[r] ? bm : m[r];
           if (mn == -INFINITY) {   // nothing open in this row yet: p = 0
@@ -301,7 +304,7 @@ inline void forward(const Problem& P, const float* qp, const float* kp, const fl
           l[r] += sum;
           m[r] = mn;
         }
-        gemm(rows, D, cols, 1.f, s, cols, 1, vb + j0 * D, D, 1.f, acc.data(), D);
+        gemm(rows, D, cols, 1.f, s, LDS, 1, vb + j0 * D, D, 1.f, acc.data(), D);
       }
       bool have_mean = false;
       for (int64_t r = 0; r < rows; ++r) {
@@ -328,7 +331,7 @@ inline void backward(const Problem& P, const float* qp, const float* kp, const f
   std::atomic<int64_t> next{0};   // tasks are claimed from this counter, see kTasksNote
 #pragma omp parallel
   {
-    std::vector<float> pb(BR * BC), dpb(BR * BC), kt(D * BC), vt(D * BC), delta(S), u(D);
+    std::vector<float> pb(BR * LDS), dpb(BR * LDS), kt(D * LDS), vt(D * LDS), delta(S), u(D);
     std::vector<int64_t> qlo(nqb), qhi(nqb);
     for (int64_t task = next++; task < B * N; task = next++) {
       const int64_t b = task / N, n = task % N;
@@ -365,17 +368,17 @@ inline void backward(const Problem& P, const float* qp, const float* kp, const f
           float* p = pb.data();
           float* dp = dpb.data();
           if (!transposed) {   // k and v of this key block as [D, full], once for all query blocks
-            transpose(kb + j0 * D, full, D, D, kt.data());
-            transpose(vb + j0 * D, full, D, D, vt.data());
+            transpose(kb + j0 * D, full, D, D, kt.data(), LDS);
+            transpose(vb + j0 * D, full, D, D, vt.data(), LDS);
             transposed = true;
           }
-          gemm(rows, cols, D, P.scale, qh + i0 * D, D, 1, kt.data(), full, 0.f, p, cols);
+          gemm(rows, cols, D, P.scale, qh + i0 * D, D, 1, kt.data(), LDS, 0.f, p, LDS);
           if (!P.apply(b, i0, rows, j0, cols, p)) continue;
           const float* go = gp + (b * S + i0) * ld + n * D;
-          gemm(rows, cols, D, 1.f, go, ld, 1, vt.data(), full, 0.f, dp, cols);   // dp = do v^T
+          gemm(rows, cols, D, 1.f, go, ld, 1, vt.data(), LDS, 0.f, dp, LDS);   // dp = do v^T
           for (int64_t r = 0; r < rows; ++r) {
-            float* __restrict__ pr = p + r * cols;
-            float* __restrict__ dr = dp + r * cols;
+            float* __restrict__ pr = p + r * LDS;
+            float* __restrict__ dr = dp + r * LDS;
             const float L = lh[i0 + r], dl = delta[i0 + r];
             if (L == INFINITY) {   // a fully blocked row: no softmax gradient (handled through u)
               std::fill(pr, pr + cols, 0.f);
@@ -384,9 +387,9 @@ inline void backward(const Problem& P, const float* qp, const float* kp, const f
             }
             probs_and_ds(pr, dr, cols, L, dl);
           }
-          gemm(cols, D, rows, 1.f, p, 1, cols, go, ld, 1.f, dv + j0 * D, D);                  // dv += p^T do
-          gemm(rows, D, cols, P.scale, dp, cols, 1, kb + j0 * D, D, 1.f, dqh + i0 * D, D);    // dq += ds k
-          gemm(cols, D, rows, P.scale, dp, 1, cols, qh + i0 * D, D, 1.f, dk + j0 * D, D);     // dk += ds^T q
+          gemm(cols, D, rows, 1.f, p, 1, LDS, go, ld, 1.f, dv + j0 * D, D);                  // dv += p^T do
+          gemm(rows, D, cols, P.scale, dp, LDS, 1, kb + j0 * D, D, 1.f, dqh + i0 * D, D);    // dq += ds k
+          gemm(cols, D, rows, P.scale, dp, 1, LDS, qh + i0 * D, D, 1.f, dk + j0 * D, D);     // dk += ds^T q
         }
       }
       bool any = false;
