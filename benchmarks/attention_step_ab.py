@@ -41,7 +41,7 @@ def main():
     load = os.getloadavg()
     print(f"`python benchmarks/attention_step_ab.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print(f"\nload average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; target tokens/s per run\n")
-    print("| mode | kernel on (runs) | kernel off (runs) | on median | off median | on / off | losses on / off |")
+    print("| mode | kernel on (runs) | kernel off (runs) | on median | off median | on / off | loss step 1 / last, on; off |")
     print("|---|---|---|---|---|---|---|")
     for mode in o.modes.split(","):
         got = {True: [], False: []}
@@ -55,7 +55,7 @@ def main():
                       file=sys.stderr, flush=True)
         on, off = statistics.median(got[True]), statistics.median(got[False])
         print(f"| {mode} | {', '.join(f'{x:.0f}' for x in got[True])} | {', '.join(f'{x:.0f}' for x in got[False])} "
-              f"| {on:.0f} | {off:.0f} | {on / off:.3f} | {loss[True]} / {loss[False]} |", flush=True)
+              f"| {on:.0f} | {off:.0f} | {on / off:.3f} | {loss[True]}; {loss[False]} |", flush=True)
 
 
 if __name__ == "__main__":
