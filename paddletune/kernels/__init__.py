@@ -9,8 +9,8 @@
     out = ops.pt_rope(x, cos, sin, scale)          # rotary embedding, [B, S, N, D] -> [B, N, S, D]
 (and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu, rope) pick them.
     out, lse = ops.pt_flash_attn(q, k, v, mask, starts, window, scale, causal, use_mask, use_starts, use_window)
-blocked attention with an online softmax (attention.cc; wrapper and masks: attention.py, used by
-models/ops.cpu_attention), memory linear in the sequence.
+blocked attention with an online softmax (attention_core.h, as ops in attention.cc; wrapper and
+masks: attention.py, used by models/ops.cpu_attention), memory linear in the sequence.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
