@@ -10,7 +10,7 @@
 //   dq_i += scale ds_ij k_j;  dk_j += scale ds_ij q_i.
 // Block products run on a register-tiled AVX2 micro-kernel (gemm below) that reads its left
 // operand through (row, column) strides, so p^T do and ds^T q need no transposed copy.
-// Tasks: (batch, head, query block) forward, (batch, head) backward (see kTasksNote).
+// Tasks: (batch, head, query block) forward, (batch, head, key block) backward (see kTasksNote).
 //
 // kTasksNote: the threads of `omp parallel` claim tasks from an atomic counter rather than through
 // `omp for`: with torch's libgomp loaded in the process (tests, peers), the OpenMP entry points of
@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "fast_exp.h"
@@ -323,80 +324,95 @@ inline void forward(const Problem& P, const float* qp, const float* kp, const fl
   }
 }
 
+// Backward tasks are (batch, head, key block), FlashAttention-2's split for dk / dv: 8 heads x
+// S / 256 key blocks, so the threads stay balanced at batch 1 and under causal (a key block's work
+// falls with its position; tasks are claimed in order). Each task owns its dk / dv rows; dq rows
+// get contributions from every key block, so each thread accumulates dq in its own zeroed copy,
+// added into dq under a mutex at the end (B N S D adds per thread).
+struct BwdScratch {
+  std::vector<float> pb, dpb, kt, vt, dq;
+  explicit BwdScratch(const Problem& P)
+      : pb(BR * LDS), dpb(BR * LDS), kt(P.D * LDS), vt(P.D * LDS), dq(P.B * P.N * P.S * P.D, 0.f) {}
+};
+
+// One task: dk, dv of key block j0 of (b, n); dq into w.dq. delta [S] = do_i . o_i, u [D] = the sum
+// of do over fully blocked rows of (b, n) (their uniform weights pass do_i / T to every v_j).
+inline void bwd_task(const Problem& P, int64_t b, int64_t n, int64_t j0, const float* qp, const float* kp,
+                     const float* vp, const float* lp, const float* gp, const float* delta, const float* u,
+                     float* dkp, float* dvp, BwdScratch& w) {
+  const int64_t S = P.S, T = P.T, D = P.D, ld = P.N * D, bn = b * P.N + n, full = std::min(BC, T - j0);
+  const float* qh = qp + bn * S * D;
+  const float* kb = kp + (b * P.K + n / P.g) * T * D;
+  const float* vb = vp + (b * P.K + n / P.g) * T * D;
+  const float* lh = lp + bn * S;
+  float* dqh = w.dq.data() + bn * S * D;
+  float* dk = dkp + bn * T * D + j0 * D;
+  float* dv = dvp + bn * T * D + j0 * D;
+  std::fill(dk, dk + full * D, 0.f);
+  for (int64_t j = 0; j < full; ++j)   // fully blocked rows' share (u is mostly 0)
+    for (int64_t d = 0; d < D; ++d) dv[j * D + d] = u[d] / static_cast<float>(T);
+  transpose(kb + j0 * D, full, D, D, w.kt.data(), LDS);   // k, v of the block as [D, LDS]
+  transpose(vb + j0 * D, full, D, D, w.vt.data(), LDS);
+  float *p = w.pb.data(), *dp = w.dpb.data();
+  for (int64_t i0 = 0; i0 < S; i0 += BR) {
+    const int64_t rows = std::min(BR, S - i0);
+    int64_t lo, hi;
+    P.key_range(b, i0, i0 + rows, &lo, &hi);
+    if (hi <= j0 || lo >= j0 + full) continue;
+    const int64_t cols = P.block_cols(j0, hi);
+    if (!P.mask_open(b, i0, rows, j0, cols)) continue;
+    gemm(rows, cols, D, P.scale, qh + i0 * D, D, 1, w.kt.data(), LDS, 0.f, p, LDS);
+    if (!P.apply(b, i0, rows, j0, cols, p)) continue;
+    const float* go = gp + (b * S + i0) * ld + n * D;
+    gemm(rows, cols, D, 1.f, go, ld, 1, w.vt.data(), LDS, 0.f, dp, LDS);   // dp = do v^T
+    for (int64_t r = 0; r < rows; ++r) {
+      float* __restrict__ pr = p + r * LDS;
+      float* __restrict__ dr = dp + r * LDS;
+      const float L = lh[i0 + r];
+      if (L == INFINITY) {   // a fully blocked row: no softmax gradient (handled through u)
+        std::fill(pr, pr + cols, 0.f);
+        std::fill(dr, dr + cols, 0.f);
+        continue;
+      }
+      probs_and_ds(pr, dr, cols, L, delta[i0 + r]);
+    }
+    gemm(cols, D, rows, 1.f, p, 1, LDS, go, ld, 1.f, dv, D);                          // dv += p^T do
+    gemm(rows, D, cols, P.scale, dp, LDS, 1, kb + j0 * D, D, 1.f, dqh + i0 * D, D);    // dq += ds k
+    gemm(cols, D, rows, P.scale, dp, 1, LDS, qh + i0 * D, D, 1.f, dk, D);              // dk += ds^T q
+  }
+}
+
 // Backward: dq [B, N, S, D], per query head dkh / dvh [B, N, T, D] (the caller sums GQA groups).
 inline void backward(const Problem& P, const float* qp, const float* kp, const float* vp, const float* op,
                      const float* lp, const float* gp, float* dqp, float* dkp, float* dvp) {
-  const int64_t B = P.B, N = P.N, K = P.K, S = P.S, T = P.T, D = P.D, g = P.g, nqb = (S + BR - 1) / BR;
+  const int64_t B = P.B, N = P.N, S = P.S, T = P.T, D = P.D, nkb = (T + BC - 1) / BC;
   const int64_t ld = N * D;   // row stride of out / dout [B, S, N, D]
+  std::vector<float> delta(B * N * S), u(B * N * D, 0.f);
+  for (int64_t bn = 0; bn < B * N; ++bn)   // O(B N S D), one thread
+    for (int64_t i = 0; i < S; ++i) {
+      const float* o = op + (bn / N * S + i) * ld + bn % N * D;
+      const float* go = gp + (bn / N * S + i) * ld + bn % N * D;
+      float dsum = 0.f;
+      for (int64_t d = 0; d < D; ++d) dsum += o[d] * go[d];
+      delta[bn * S + i] = dsum;
+      if (lp[bn * S + i] == INFINITY)   // fully blocked row: d v_j += do_i / T for every key
+        for (int64_t d = 0; d < D; ++d) u[bn * D + d] += go[d];
+    }
+  std::fill(dqp, dqp + B * N * S * D, 0.f);
+  std::mutex mu;
   std::atomic<int64_t> next{0};   // tasks are claimed from this counter, see kTasksNote
 #pragma omp parallel
   {
-    std::vector<float> pb(BR * LDS), dpb(BR * LDS), kt(D * LDS), vt(D * LDS), delta(S), u(D);
-    std::vector<int64_t> qlo(nqb), qhi(nqb);
-    for (int64_t task = next++; task < B * N; task = next++) {
-      const int64_t b = task / N, n = task % N;
-      const float* qh = qp + task * S * D;
-      const float* kb = kp + (b * K + n / g) * T * D;
-      const float* vb = vp + (b * K + n / g) * T * D;
-      const float* lh = lp + task * S;
-      float* dqh = dqp + task * S * D;
-      float* dk = dkp + task * T * D;
-      float* dv = dvp + task * T * D;
-      std::fill(dqh, dqh + S * D, 0.f);
-      std::fill(dk, dk + T * D, 0.f);
-      std::fill(dv, dv + T * D, 0.f);
-      std::fill(u.begin(), u.end(), 0.f);
-      for (int64_t i = 0; i < S; ++i) {
-        const float* o = op + (b * S + i) * ld + n * D;
-        const float* go = gp + (b * S + i) * ld + n * D;
-        float dsum = 0.f;
-        for (int64_t d = 0; d < D; ++d) dsum += o[d] * go[d];
-        delta[i] = dsum;
-        if (lh[i] == INFINITY)   // fully blocked row: d v_j += do_i / T for every key
-          for (int64_t d = 0; d < D; ++d) u[d] += go[d];
-      }
-      for (int64_t ib = 0; ib < nqb; ++ib)
-        P.key_range(b, ib * BR, std::min(S, (ib + 1) * BR), &qlo[ib], &qhi[ib]);
-      for (int64_t j0 = 0; j0 < T; j0 += BC) {
-        const int64_t full = std::min(BC, T - j0);
-        bool transposed = false;
-        for (int64_t ib = 0; ib < nqb; ++ib) {
-          const int64_t i0 = ib * BR, rows = std::min(BR, S - i0);
-          if (qhi[ib] <= j0 || qlo[ib] >= j0 + full) continue;
-          const int64_t cols = P.block_cols(j0, qhi[ib]);
-          if (!P.mask_open(b, i0, rows, j0, cols)) continue;
-          float* p = pb.data();
-          float* dp = dpb.data();
-          if (!transposed) {   // k and v of this key block as [D, full], once for all query blocks
-            transpose(kb + j0 * D, full, D, D, kt.data(), LDS);
-            transpose(vb + j0 * D, full, D, D, vt.data(), LDS);
-            transposed = true;
-          }
-          gemm(rows, cols, D, P.scale, qh + i0 * D, D, 1, kt.data(), LDS, 0.f, p, LDS);
-          if (!P.apply(b, i0, rows, j0, cols, p)) continue;
-          const float* go = gp + (b * S + i0) * ld + n * D;
-          gemm(rows, cols, D, 1.f, go, ld, 1, vt.data(), LDS, 0.f, dp, LDS);   // dp = do v^T
-          for (int64_t r = 0; r < rows; ++r) {
-            float* __restrict__ pr = p + r * LDS;
-            float* __restrict__ dr = dp + r * LDS;
-            const float L = lh[i0 + r], dl = delta[i0 + r];
-            if (L == INFINITY) {   // a fully blocked row: no softmax gradient (handled through u)
-              std::fill(pr, pr + cols, 0.f);
-              std::fill(dr, dr + cols, 0.f);
-              continue;
-            }
-            probs_and_ds(pr, dr, cols, L, dl);
-          }
-          gemm(cols, D, rows, 1.f, p, 1, LDS, go, ld, 1.f, dv + j0 * D, D);                  // dv += p^T do
-          gemm(rows, D, cols, P.scale, dp, LDS, 1, kb + j0 * D, D, 1.f, dqh + i0 * D, D);    // dq += ds k
-          gemm(cols, D, rows, P.scale, dp, 1, LDS, qh + i0 * D, D, 1.f, dk + j0 * D, D);     // dk += ds^T q
-        }
-      }
-      bool any = false;
-      for (int64_t d = 0; d < D; ++d) any |= u[d] != 0.f;
-      if (any)
-        for (int64_t j = 0; j < T; ++j)
-          for (int64_t d = 0; d < D; ++d) dv[j * D + d] += u[d] / static_cast<float>(T);
+    BwdScratch w(P);
+    bool worked = false;
+    for (int64_t task = next++; task < B * N * nkb; task = next++, worked = true) {
+      const int64_t bn = task / nkb;
+      bwd_task(P, bn / N, bn % N, task % nkb * BC, qp, kp, vp, lp, gp, delta.data() + bn * S, u.data() + bn * D,
+               dkp, dvp, w);
+    }
+    if (worked) {
+      std::lock_guard<std::mutex> hold(mu);
+      for (int64_t x = 0; x < B * N * S * D; ++x) dqp[x] += w.dq[x];
     }
   }
 }
