@@ -327,15 +327,27 @@ inline void forward(const Problem& P, const float* qp, const float* kp, const fl
 // Backward tasks are (batch, head, key block), FlashAttention-2's split for dk / dv: 8 heads x
 // S / 256 key blocks, so the threads stay balanced at batch 1 and under causal (a key block's work
 // falls with its position; tasks are claimed in order). Each task owns its dk / dv rows; dq rows
-// get contributions from every key block, so each thread accumulates dq in its own zeroed copy,
-// added into dq under a mutex at the end (B N S D adds per thread).
+// get contributions from every key block, so each thread accumulates one head's dq [S, D] in its
+// own zeroed copy, added into dq under a mutex when its next task is another head (a thread's
+// claimed tasks only move forward, so it flushes at most once per head).
 struct BwdScratch {
   std::vector<float> pb, dpb, kt, vt, dq;
+  int64_t head = -1;   // the (b, n) whose dq contributions dq holds
   explicit BwdScratch(const Problem& P)
-      : pb(BR * LDS), dpb(BR * LDS), kt(P.D * LDS), vt(P.D * LDS), dq(P.B * P.N * P.S * P.D, 0.f) {}
+      : pb(BR * LDS), dpb(BR * LDS), kt(P.D * LDS), vt(P.D * LDS), dq(P.S * P.D, 0.f) {}
+  void flush(float* dqp, std::mutex& mu) {
+    if (head < 0) return;
+    {
+      std::lock_guard<std::mutex> hold(mu);
+      float* dst = dqp + head * static_cast<int64_t>(dq.size());
+      for (size_t x = 0; x < dq.size(); ++x) dst[x] += dq[x];
+    }
+    std::fill(dq.begin(), dq.end(), 0.f);
+    head = -1;
+  }
 };
 
-// One task: dk, dv of key block j0 of (b, n); dq into w.dq. delta [S] = do_i . o_i, u [D] = the sum
+// One task: dk, dv of key block j0 of (b, n); dq of (b, n) into w.dq. delta [S] = do_i . o_i, u [D] = the sum
 // of do over fully blocked rows of (b, n) (their uniform weights pass do_i / T to every v_j).
 inline void bwd_task(const Problem& P, int64_t b, int64_t n, int64_t j0, const float* qp, const float* kp,
                      const float* vp, const float* lp, const float* gp, const float* delta, const float* u,
@@ -345,7 +357,7 @@ inline void bwd_task(const Problem& P, int64_t b, int64_t n, int64_t j0, const f
   const float* kb = kp + (b * P.K + n / P.g) * T * D;
   const float* vb = vp + (b * P.K + n / P.g) * T * D;
   const float* lh = lp + bn * S;
-  float* dqh = w.dq.data() + bn * S * D;
+  float* dqh = w.dq.data();
   float* dk = dkp + bn * T * D + j0 * D;
   float* dv = dvp + bn * T * D + j0 * D;
   std::fill(dk, dk + full * D, 0.f);
@@ -404,16 +416,13 @@ inline void backward(const Problem& P, const float* qp, const float* kp, const f
 #pragma omp parallel
   {
     BwdScratch w(P);
-    bool worked = false;
-    for (int64_t task = next++; task < B * N * nkb; task = next++, worked = true) {
+    for (int64_t task = next++; task < B * N * nkb; task = next++) {
       const int64_t bn = task / nkb;
+      if (bn != w.head) w.flush(dqp, mu), w.head = bn;
       bwd_task(P, bn / N, bn % N, task % nkb * BC, qp, kp, vp, lp, gp, delta.data() + bn * S, u.data() + bn * D,
                dkp, dvp, w);
     }
-    if (worked) {
-      std::lock_guard<std::mutex> hold(mu);
-      for (int64_t x = 0; x < B * N * S * D; ++x) dqp[x] += w.dq[x];
-    }
+    w.flush(dqp, mu);
   }
 }
 
