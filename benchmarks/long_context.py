@@ -5,6 +5,11 @@ transformers+peft (sdpa), and the blocked attention kernel's rate against the ma
                                       [--steps 2] [--warmup 1] [--full-seq 1024] [--kernel-seqs 1024,4096]
                                       [--peers paddletune,hf] [--smoke]
 
+Acceptance rows only (issue 37), on an idle machine:
+    python benchmarks/long_context.py --runs 3 --kernel-seqs 4096      # every row (~20 min idle)
+    python benchmarks/long_context.py --seqs 1024,2048 --recompute off --full-seq 0 --kernel-seqs ''
+    python benchmarks/long_context.py --seqs '' --full-seq 0 --kernel-seqs 1024,2048,4096  # kernel only
+
 Model: the compare_peers.py / docs/design.md section 5 Llama (4 layers, hidden 256, 8 heads of 32,
 intermediate 688, vocab 32000), batch 1, every token labelled, LoRA r=8 alpha=16 on q,k,v,o,
 gate,up,down, AdamW, clip 1.0, fp32; recompute "on" = whole decoder layers for both peers
@@ -124,22 +129,16 @@ def med(runs, key):
     return statistics.median(ok) if ok else None
 
 
-def report(o, cfg, results, rates, ceiling, env):
-    cmd = "python benchmarks/long_context.py " + " ".join(sys.argv[1:])
-    print(f"\n`{cmd.strip()}`\n")
-    print(f"{harness.describe(dict(cfg, seq='S', batch=1))}; LoRA r={harness.LORA['lora_rank']} on "
-          f"{', '.join(harness.LORA['lora_targets'])}; {o.warmup} warmup + {o.steps} timed steps per run, "
-          f"median of {o.runs} alternating runs; each run its own process.")
-    print(f"Machine: {harness.cpu_text()}; load average at start {o.load[0]:.2f} / {o.load[1]:.2f} / "
-          f"{o.load[2]:.2f} (1 / 5 / 15 min).")
-    print(f"Peers: paddletune (CPU op table, blocked attention kernel); transformers+peft with "
-          f"attn_implementation=sdpa; both with {harness.env_text(env)}, the same batches and labels (every "
-          f"token labelled, attention_mask all ones).\n")
+def step_rows(o, results):
+    """The markdown lines of the step-time / RSS table and the RSS exponents (none without rows)."""
+    if not results:
+        return []
+    out = []
     peers = o.peers
     label = {p: harness.PEERS[p]["label"] for p in peers}
-    print("| method | S | recompute | " + " | ".join(f"{label[p]} s/step | {label[p]} peak RSS MB" for p in peers)
-          + (" | step speed-up | RSS ratio |" if len(peers) == 2 else " |"))
-    print("|---|---|---|" + "---|---|" * len(peers) + ("---|---|" if len(peers) == 2 else ""))
+    out.append("| method | S | recompute | " + " | ".join(f"{label[p]} s/step | {label[p]} peak RSS MB" for p in peers)
+               + (" | step speed-up | RSS ratio |" if len(peers) == 2 else " |"))
+    out.append("|---|---|---|" + "---|---|" * len(peers) + ("---|---|" if len(peers) == 2 else ""))
     for (method, S, rc), got in results.items():
         cells, vals = [], {}
         for p in peers:
@@ -151,9 +150,9 @@ def report(o, cfg, results, rates, ceiling, env):
         if len(peers) == 2:
             (ta, ma), (tb, mb) = vals[peers[0]], vals[peers[1]]
             line += (f" | {tb / ta:.2f}x | {ma / mb:.2f}x" if ta and tb else " | - | -")
-        print(line + " |")
-    print(f"\nStep speed-up = {label[peers[-1]]} s/step / {label[peers[0]]} s/step; RSS ratio = "
-          f"{label[peers[0]]} / {label[peers[-1]]}." if len(peers) == 2 else "")
+        out.append(line + " |")
+    out.append(f"\nStep speed-up = {label[peers[-1]]} s/step / {label[peers[0]]} s/step; RSS ratio = "
+               f"{label[peers[0]]} / {label[peers[-1]]}." if len(peers) == 2 else "")
     for p in peers:
         xs, whole, own = [], [], []
         for (method, S, rc), got in results.items():
@@ -164,8 +163,24 @@ def report(o, cfg, results, rates, ceiling, env):
                 own.append(whole[-1] - med(runs, "rss_after_import_mb"))
         a, b = fit_exponent(xs, whole), fit_exponent(xs, own)
         if a is not None:
-            print(f"- {label[p]}: peak RSS ~ S^{a:.2f} (whole process), ~ S^{b:.2f} (above the RSS after "
-                  f"imports), fitted over S = {', '.join(map(str, xs))}, recompute off.")
+            out.append(f"- {label[p]}: peak RSS ~ S^{a:.2f} (whole process), ~ S^{b:.2f} (above the RSS after "
+                       f"imports), fitted over S = {', '.join(map(str, xs))}, recompute off.")
+    return out
+
+
+def report(o, cfg, results, rates, ceiling, env):
+    cmd = "python benchmarks/long_context.py " + " ".join(sys.argv[1:])
+    print(f"\n`{cmd.strip()}`\n")
+    print(f"{harness.describe(dict(cfg, seq='S', batch=1))}; LoRA r={harness.LORA['lora_rank']} on "
+          f"{', '.join(harness.LORA['lora_targets'])}; {o.warmup} warmup + {o.steps} timed steps per run, "
+          f"median of {o.runs} alternating runs; each run its own process.")
+    print(f"Machine: {harness.cpu_text()}; load average at start {o.load[0]:.2f} / {o.load[1]:.2f} / "
+          f"{o.load[2]:.2f} (1 / 5 / 15 min).")
+    print(f"Peers: paddletune (CPU op table, blocked attention kernel); transformers+peft with "
+          f"attn_implementation=sdpa; both with {harness.env_text(env)}, the same batches and labels (every "
+          f"token labelled, attention_mask all ones).\n")
+    for line in step_rows(o, results):
+        print(line)
     if rates:
         print(f"\nBlocked attention kernel, forward + backward, [1, {o.heads}, S, {o.dim}] causal; matmul ceiling "
               f"(best paddle fp32 rate, cpu_ceiling.py squares) {ceiling:.1f} GFLOP/s:\n")
@@ -195,7 +210,7 @@ def main():
         return kernel_child([int(s) for s in o.kernel_child.split(",")], o.heads, o.dim, o.min_time)
     if o.smoke:
         o.seqs, o.steps, o.warmup, o.runs, o.full_seq, o.kernel_seqs, o.min_time = "64,128", 1, 0, 1, 64, "128", 0.05
-    o.seqs = [int(s) for s in o.seqs.split(",")]
+    o.seqs = [int(s) for s in o.seqs.split(",") if s]
     o.recompute = o.recompute.split(",")
     o.peers = o.peers.split(",")
     o.load = os.getloadavg()
@@ -207,9 +222,11 @@ def main():
         squares = [(256, 256, 256)] if o.smoke else [(1024, 1024, 1024), (2048, 2048, 2048)]
         ceiling = max(measure_matmul("paddle", squares, o.min_time, env)["gflops"].values())
         rates = kernel_rates([int(s) for s in o.kernel_seqs.split(",")], o.heads, o.dim, o.min_time, env)
-    with tempfile.TemporaryDirectory(prefix="paddletune-long-") as work:
-        harness.write_checkpoint(os.path.join(work, "checkpoint"), dict(cfg, seq=max(o.seqs + [o.full_seq])))
-        results = run_rows(o, cfg, work, env)
+    results = {}
+    if o.seqs or o.full_seq:   # --seqs '' --full-seq 0: the kernel rate rows only
+        with tempfile.TemporaryDirectory(prefix="paddletune-long-") as work:
+            harness.write_checkpoint(os.path.join(work, "checkpoint"), dict(cfg, seq=max(o.seqs + [o.full_seq])))
+            results = run_rows(o, cfg, work, env)
     report(o, cfg, results, rates, ceiling, env)
     return 0
 

@@ -2,7 +2,8 @@
 against the dense reference attention (models/layers._dense_attention: [B, K, g*S, T] scores,
 masked_fill + softmax): values and the gradients of q, k and v, max|d| / max|ref| <= 1e-5 per
 tensor, over causal, padding, packed rows, grouped KV heads, past keys, no mask, odd lengths
-across the kernel's 64-row / 256-key blocks, one-token rows and fully blocked rows; and a Qwen3
+across the kernel's 64-row / 256-key blocks, one-token rows and fully blocked rows, padded rows
+through a per-row key window (layers.PaddedRows, no mask tensor); and a Qwen3
 model (GQA) whose loss and gradients with the kernel equal the dense path's and transformers'."""
 import numpy as np
 import paddle
@@ -78,21 +79,55 @@ def test_causal_and_no_mask_equal_dense(name):
     check(q, k, v, lambda a, b, c: kernels.blocked_attention(a, b, c, scale), None, scale)   # no mask
 
 
+def padding_mask(am):
+    """bool [B, 1, S, S], True = blocked: a later position or a padded key (numpy)."""
+    S = am.shape[1]
+    return paddle.to_tensor((np.triu(np.ones((S, S), bool), 1)[None] | (am == 0)[:, None, :])[:, None])
+
+
 def test_padding_masks_with_fully_blocked_rows_equal_dense():
-    """attention_bias with left and right padding, one row all padding: left-pad queries see no
-    key (uniform weights over all T keys, as the reference), the padded row everywhere."""
-    B, N, K, S, D = 3, 4, 2, 263, 16
+    """attention_bias with left and right padding, one row all padding: a PaddedRows (key window
+    per row, no [B, 1, S, T] mask) whose kernel run equals dense attention with a numpy mask;
+    left-pad queries see no key (uniform weights over all T keys, as the reference), the padded
+    row everywhere. The same mask as a bool tensor (PaddedRows.dense(): the kernel's mask path)
+    equals it too, and the dense mask equals the numpy one."""
+    B, N, K, S, D = 4, 4, 2, 263, 16
     am = np.ones((B, S), np.int64)
     am[0, :5] = 0          # left padding: queries 0..4 see nothing (causal)
     am[1, 200:] = 0        # right padding
     am[2, :] = 0           # a row of padding only
+    am[3, :130] = 0        # left padding across the kernel's 64-row and 256-key blocks
     bias = layers.attention_bias(B, S, 0, paddle.to_tensor(am))
+    assert isinstance(bias, layers.PaddedRows)
+    assert bias.window.numpy().tolist() == [[5, 263], [0, 200], [0, 0], [130, 263]]
+    ref = padding_mask(am)
     q, k, v = qkv(B, N, K, S, S, D, seed=3)
-    out = check(q, k, v, lambda a, b, c: ops.cpu_attention(a, b, c, bias, 0.0, True, 0.5), bias, 0.5)[0]
+    out = check(q, k, v, lambda a, b, c: ops.cpu_attention(a, b, c, bias, 0.0, True, 0.5), ref, 0.5)[0]
     vm = v.numpy()
     np.testing.assert_allclose(out[2].reshape(S, N, D)[:, 0], np.broadcast_to(vm[2, 0].mean(0), (S, D)), rtol=1e-5)
+    assert np.array_equal(bias.dense().numpy(), ref.numpy())
+    check(q, k, v, lambda a, b, c: ops.cpu_attention(a, b, c, bias.dense(), 0.0, True, 0.5), ref, 0.5)
     shared = layers.causal_mask(S).logical_or(paddle.to_tensor(np.triu(np.ones((S, S), bool), -40)[None, None]))
     check(q, k, v, lambda a, b, c: kernels.blocked_attention(a, b, c, 0.5, mask=shared), shared, 0.5)   # [1, 1, S, T]
+
+
+def test_padding_window_only_for_one_run_of_ones():
+    """A mask with a hole (padding inside a row) is no key window: attention_bias builds the bool
+    mask, as before; one-token and odd-length padded rows through the window equal dense."""
+    am = np.ones((2, 9), np.int64)
+    am[1, 3] = 0
+    assert kernels.padding_window(am) is None
+    bias = layers.attention_bias(2, 9, 0, paddle.to_tensor(am))
+    assert not isinstance(bias, layers.PaddedRows) and np.array_equal(bias.numpy(), padding_mask(am).numpy())
+    am = np.ones((3, 67), np.int64)
+    am[0, :66] = 0         # one real token, at the end (left padding)
+    am[1, 1:] = 0          # one real token, first (right padding)
+    am[2, :3] = 0
+    am[2, 60:] = 0         # padding on both sides: still one run of 1s
+    assert kernels.padding_window(am).tolist() == [[66, 67], [0, 1], [3, 60]]
+    bias = layers.attention_bias(3, 67, 0, paddle.to_tensor(am))
+    q, k, v = qkv(3, 2, 1, 67, 67, 8, seed=11)
+    check(q, k, v, lambda a, b, c: ops.cpu_attention(a, b, c, bias, 0.0, True, 0.4), padding_mask(am), 0.4)
 
 
 def test_packed_rows_equal_block_diagonal_dense():
@@ -164,4 +199,4 @@ def test_all_ones_attention_mask_is_the_plain_causal_mask():
     assert layers.is_plain_causal(layers.attention_bias(2, 9, 0, ones), 9)
     ones[1, 8] = 0
     bias = layers.attention_bias(2, 9, 0, ones)
-    assert not layers.is_plain_causal(bias, 9) and bool(bias[1, 0, :, 8].all())
+    assert not layers.is_plain_causal(bias, 9) and bool(bias.dense()[1, 0, :, 8].all())

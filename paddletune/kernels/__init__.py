@@ -8,9 +8,9 @@
     out = ops.pt_swiglu(gate, up)                                      # silu(gate) * up
     out = ops.pt_rope(x, cos, sin, scale)          # rotary embedding, [B, S, N, D] -> [B, N, S, D]
 (and their *_bwd); the autograd wrappers below (masked_softmax, rms_norm, swiglu, rope) pick them.
-    out, lse = ops.pt_flash_attn(q, k, v, mask, starts, scale, causal, use_mask, use_starts)
-blocked attention with an online softmax (attention.cc; wrapper and masks: attention.py, used by
-models/ops.cpu_attention), memory linear in the sequence.
+    out, lse = ops.pt_flash_attn(q, k, v, mask, starts, window, scale, causal, use_mask, use_starts, use_window)
+blocked attention with an online softmax (attention_core.h, as ops in attention.cc; wrapper and
+masks: attention.py, used by models/ops.cpu_attention), memory linear in the sequence.
 
 Why: paddle 3.3.1's CPU softmax and cross-entropy kernels run on one thread and take several
 passes, and RMSNorm / SwiGLU are chains of broadcast elementwise ops with as many gradient nodes;
@@ -36,6 +36,7 @@ import time
 logger = logging.getLogger("paddletune")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 SOURCES = [SOURCE, os.path.join(os.path.dirname(SOURCE), "attention.cc")]   # attention.py: the latter's ops
+HEADERS = ("fast_exp.h", "attention_core.h")   # included by the sources: part of the build key
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 OPS = ("pt_softmax_xent", "pt_masked_softmax", "pt_masked_softmax_bwd", "pt_rms_norm", "pt_rms_norm_bwd",
        "pt_swiglu", "pt_swiglu_bwd", "pt_rope", "pt_rope_bwd", "pt_flash_attn", "pt_flash_attn_bwd")
@@ -76,7 +77,7 @@ def _build():
     libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
     ldflags = [f"-L{libs}", "-liomp5", f"-Wl,-rpath,{libs}"]
     src = b""
-    for path in SOURCES + [os.path.join(os.path.dirname(SOURCE), "fast_exp.h")]:   # + the header both include
+    for path in SOURCES + [os.path.join(os.path.dirname(SOURCE), h) for h in HEADERS]:   # + what they include
         with open(path, "rb") as f:
             src += f.read()
     key = hashlib.sha256(b"\0".join([src, paddle.__version__.encode(), " ".join(CFLAGS + ldflags).encode(),
@@ -315,14 +316,20 @@ def softmax_xent_(logits, targets):
     return cpu_ops().pt_softmax_xent(logits, targets.astype("int64"))
 
 
-def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
+def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None, window=None):
     """Blocked attention (kernels/attention.py): [B, S, N*D], or None when unavailable."""
     from .attention import blocked_attention as run
 
-    return run(q, k, v, scale, causal, mask, starts)
+    return run(q, k, v, scale, causal, mask, starts, window)
 
 
 def example_starts(runs, S):
     from .attention import example_starts as starts
 
     return starts(runs, S)
+
+
+def padding_window(attention_mask):
+    from .attention import padding_window as window
+
+    return window(attention_mask)

@@ -4,10 +4,13 @@
     out = blocked_attention(q, k, v, scale, causal=True)                    # [B, S, N*D]
     out = blocked_attention(q, k, v, scale, mask=blocked)                   # bool [B|1, 1, S, T]
     out = blocked_attention(q, k, v, scale, causal=True, starts=starts)     # packed rows
+    out = blocked_attention(q, k, v, scale, causal=True, window=window)     # padded rows
 
 out_i = sum_j softmax_j(scale * q_i . k_j over the keys query i may see) v_j, q [B, N, S, D],
 k / v [B, K, T, D] (query head n reads KV head n // (N / K)). A query with no visible key gets
 the mean of v over all T keys (uniform weights), as masked_fill(-1e9) + softmax gives.
+window: int32 [B, 2], row b's unpadded keys [window[b, 0], window[b, 1]) (left or right padding,
+see padding_window): the same attention as a [B, 1, 1, T] padding mask, without a mask tensor.
 Backward: the kernel recomputes score blocks from the saved per-row logsumexp [B, N, S], so a
 layer keeps q, k, v, out and lse for it (all O(S)). Returns None when the kernels are off or the
 inputs are not float32 CPU tensors (the caller then runs the dense path).
@@ -18,13 +21,14 @@ import numpy as np
 class _Masks:
     """The non-differentiable inputs, kept out of PyLayer's tensor arguments."""
 
-    def __init__(self, mask, starts):
+    def __init__(self, mask, starts, window):
         import paddle
 
-        self.use_mask, self.use_starts = mask is not None, starts is not None
+        self.use = (mask is not None, starts is not None, window is not None)
         dummy_b, dummy_i = paddle.zeros([1], "bool"), paddle.zeros([1], "int32")
         self.mask = mask if mask is not None else dummy_b
         self.starts = starts if starts is not None else dummy_i
+        self.window = window if window is not None else dummy_i
 
 
 def _layer():
@@ -35,8 +39,8 @@ def _layer():
     class BlockedAttention(paddle.autograd.PyLayer):
         @staticmethod
         def forward(ctx, q, k, v, masks, scale, causal):
-            out, lse = cpu_ops().pt_flash_attn(q, k, v, masks.mask, masks.starts, scale, causal,
-                                               masks.use_mask, masks.use_starts)
+            out, lse = cpu_ops().pt_flash_attn(q, k, v, masks.mask, masks.starts, masks.window, scale, causal,
+                                               *masks.use)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.args = (masks, scale, causal)
             ctx.want = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)
@@ -47,7 +51,7 @@ def _layer():
             q, k, v, out, lse = ctx.saved_tensor()
             masks, scale, causal = ctx.args
             grads = cpu_ops().pt_flash_attn_bwd(q, k, v, out, lse, dout.contiguous(), masks.mask, masks.starts,
-                                                scale, causal, masks.use_mask, masks.use_starts)
+                                                masks.window, scale, causal, *masks.use)
             return tuple(gr if w else None for gr, w in zip(grads, ctx.want))
 
     return BlockedAttention
@@ -56,7 +60,7 @@ def _layer():
 _STATE = {}
 
 
-def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
+def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None, window=None):
     """See the module docstring; None when the kernel path does not apply."""
     import paddle
 
@@ -70,10 +74,12 @@ def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None):
         return None   # a mask of another shape (broadcast over heads, say): the dense path takes it
     if (causal and T < S) or (starts is not None and (T != S or list(starts.shape) != [B, S])):
         return None
+    if window is not None and (window.dtype != paddle.int32 or list(window.shape) != [B, 2]):
+        return None
     if "layer" not in _STATE:
         _STATE["layer"] = _layer()
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-    return _STATE["layer"].apply(q, k, v, _Masks(mask, starts), float(scale), bool(causal))
+    return _STATE["layer"].apply(q, k, v, _Masks(mask, starts, window), float(scale), bool(causal))
 
 
 def example_starts(runs, S):
@@ -84,3 +90,19 @@ def example_starts(runs, S):
         for s, e in row:
             out[b, s:e] = s
     return out
+
+
+def padding_window(attention_mask):
+    """int32 [B, 2] (first, end) of each row's 1s when every row of attention_mask [B, T] (1 real,
+    0 pad) is one contiguous run of 1s (left or right padding, or none); None otherwise (a mask
+    with holes keeps the bool-mask path). Host-side: one [B, T] copy to numpy."""
+    am = np.asarray(attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask) != 0
+    if am.ndim != 2:
+        return None
+    first = np.argmax(am, axis=1)
+    count = am.sum(axis=1)
+    end = np.where(count > 0, first + count, 0)
+    idx = np.arange(am.shape[1])[None, :]
+    if not np.array_equal(am, (idx >= first[:, None]) & (idx < end[:, None])):
+        return None
+    return np.stack([np.where(count > 0, first, 0), end], axis=1).astype(np.int32)

@@ -233,17 +233,20 @@ class NormHead(nn.Linear):
 
 # ------------------------------------------------------------------------------------- attention
 
-def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dtype="float32"):
+def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dtype="float32", dense=False):
     """Which keys each query may NOT see: a bool mask [B or 1, 1, S, T] (True = blocked), or None
     when plain causal attention over a single new token needs no mask.
 
     - causal: query i (absolute position past+i) sees keys j <= past+i;
     - attention_mask [B, T] (1 real, 0 pad) blocks padded keys;
     - segment_ids [B, S] (packed sequences, no past) blocks keys of other segments; alone
-      (no past, no attention_mask) they give a PackedRows instead of a dense mask.
+      (no past, no attention_mask) they give a PackedRows instead of a dense mask;
+    - a padding-only attention_mask (each row's 1s one run: left or right padding) with no past,
+      with the CPU kernels on, gives a PaddedRows (the blocked kernel reads each row's key window;
+      `dense` forces the bool mask, which PaddedRows.dense() builds for the other paths).
     A boolean mask applied with masked_fill, not an additive float bias: paddle's CPU kernels add
     a broadcast [1, 1, S, T] bias ~30x slower than they fill a broadcast bool mask."""
-    if segment_ids is not None and past == 0 and attention_mask is None:
+    if segment_ids is not None and past == 0 and attention_mask is None and not dense:
         return PackedRows(segment_ids, dtype)
     if (attention_mask is not None and segment_ids is None and attention_mask.place.is_cpu_place()
             and not bool((attention_mask == 0).any())):
@@ -251,6 +254,12 @@ def attention_bias(batch, q_len, past, attention_mask=None, segment_ids=None, dt
         # kernel runs by position (no [B, 1, S, T] mask built or read); the same attention
         attention_mask = None
     T = past + q_len
+    if (attention_mask is not None and segment_ids is None and past == 0 and q_len > 1 and not dense
+            and attention_mask.place.is_cpu_place() and kernels.cpu_ops() is not None):
+        window = kernels.padding_window(attention_mask)   # left / right padding: no [B, 1, S, T] mask
+        if window is not None:
+            return PaddedRows(window, lambda: attention_bias(batch, q_len, 0, attention_mask, dtype=dtype,
+                                                             dense=True))
     blocked = None
     if q_len > 1:
         blocked = causal_mask(q_len, past)
@@ -279,6 +288,22 @@ def is_plain_causal(bias, q_len):
     """True when `bias` is the causal mask of q_len new tokens and no past (no padding, no
     packing): the case flash attention's causal=True covers."""
     return bias is not None and bias is _CAUSAL.get((q_len, 0))
+
+
+class PaddedRows:
+    """Causal attention over left- or right-padded rows without a [B, 1, S, T] mask: window int32
+    [B, 2] = (first, end) of row b's real keys (kernels.padding_window). The blocked CPU kernel
+    reads the window (ops.cpu_attention); every other path calls dense() for the bool mask that
+    attention_bias builds for the same attention_mask (made once, kept)."""
+
+    def __init__(self, window, make_dense):
+        self.window = paddle.to_tensor(window)
+        self._make, self._dense = make_dense, None
+
+    def dense(self):
+        if self._dense is None:
+            self._dense = self._make()
+        return self._dense
 
 
 class PackedRows:
@@ -421,6 +446,8 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
         return run_again(lambda q_, k_, v_: attention(q_, k_, v_, bias, dropout, training, scale, flash,
                                                       dropout_fn, alibi), q, k, v, use_reentrant=False)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if isinstance(bias, PaddedRows) and ops.gpu():
+        bias = bias.dense()
     if ops.gpu():   # paddle's fused attention ops; ALiBi and a custom dropout: plain paddle ops
         if alibi is None and dropout_fn is None:
             causal = is_plain_causal(bias, q.shape[2]) and k.shape[2] == q.shape[2]
@@ -433,6 +460,8 @@ def attention(q, k, v, bias=None, dropout=0.0, training=False, scale=None, flash
         out = ops.cpu_attention(q, k, v, bias, dropout, training, scale, alibi, dropout_fn)
         if out is not None:
             return out
+    if isinstance(bias, PaddedRows):
+        bias = bias.dense()
     if isinstance(bias, PackedRows):
         return _packed_attention(q, k, v, bias, dropout, training, scale, flash, dropout_fn, alibi)
     return _dense_attention(q, k, v, bias, dropout, training, scale, dropout_fn, alibi)

@@ -112,16 +112,22 @@ def _cpu_has_avx512():
 def cpu_attention(q, k, v, bias, dropout, training, scale, alibi=None, dropout_fn=None):
     """The CPU column's attention row: the blocked kernel (kernels/attention.py, memory linear in
     S) for q [B, N, S, D], k / v [B, K, T, D] float32 with bias None (no mask), the plain causal
-    mask, any bool mask [B|1, 1, S, T], or a layers.PackedRows (block-diagonal causal via each
-    query's example start). Returns [B, S, N*D], or None for the cases that keep the dense
-    reference path: ALiBi, attention dropout while training (the kernel has no dropout), the
-    decode step (S == 1: one query row, nothing to block), 16-/64-bit dtypes, kernels off."""
+    mask, any bool mask [B|1, 1, S, T], a layers.PackedRows (block-diagonal causal via each
+    query's example start) or a layers.PaddedRows (causal within each row's key window).
+    Returns [B, S, N*D], or None for the cases that keep the dense reference path: ALiBi,
+    attention dropout while training (the kernel has no dropout), the decode step (S == 1: one
+    query row, nothing to block), 16-/64-bit dtypes, kernels off, PADDLETUNE_BLOCKED_ATTENTION=0
+    (the dense path everywhere: the step-time A/B in benchmarks/README.md)."""
     if alibi is not None or dropout_fn is not None or (dropout > 0 and training) or q.shape[2] == 1:
         return None
+    if os.environ.get("PADDLETUNE_BLOCKED_ATTENTION", "1") == "0":   # A/B switch (benchmarks/README.md)
+        return None
     from .. import kernels
-    from .layers import PackedRows, is_plain_causal
+    from .layers import PackedRows, PaddedRows, is_plain_causal
 
     S, T = q.shape[2], k.shape[2]
+    if isinstance(bias, PaddedRows):
+        return kernels.blocked_attention(q, k, v, scale, causal=True, window=bias.window) if T == S else None
     if isinstance(bias, PackedRows):
         if T != S:
             return None
