@@ -69,30 +69,16 @@ def _fp16_scaler(scale):
     fleet's topology), its place check faked; the forward stays float32."""
     import paddle  # noqa: F401
 
-    gs = sys.modules["paddle.amp.grad_scaler"]
+    from amp_fakes import real_fp16_scaler
     from paddletune.trainer import amp
 
-    real_tracer, real_init = gs._dygraph_tracer, amp.Precision.__init__
+    real_init = amp.Precision.__init__
     state = sys.modules["paddle.amp.auto_cast"].amp_global_state()
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-        def __getattr__(self, key):
-            return getattr(real_tracer(), key)
 
     def init(self, args, topo=None):
         real_init(self, args, topo)
         args.scale_loss = scale
-        gs._dygraph_tracer = lambda: Tracer()
-        try:
-            self.scaler = self._make_scaler(topo)
-        finally:
-            gs._dygraph_tracer = real_tracer
+        self.scaler = real_fp16_scaler(self, topo)
         self.autocast = contextlib.nullcontext
 
     before = state.amp_dtype

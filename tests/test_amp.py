@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 import pytest
 
+from amp_fakes import real_fp16_scaler
 from conftest import copy_pairs, training_args
 from paddletune import peft
 from paddletune.args import ArgumentError, ModelArgument
@@ -266,25 +267,10 @@ def test_paddles_scaler_skips_a_real_overflow_and_unscales_exactly(tmp_path, mon
     scale_loss 2^127 overflows the first step's scaled loss, the step is skipped and the scale
     drops to 2^27 (amp_decr_ratio 2^-100); the later steps are scaled and unscaled by powers of
     two, exactly, so the weights equal a run whose stub skips step 1 and never scales."""
-    gs = sys.modules["paddle.amp.grad_scaler"]
-    real = gs._dygraph_tracer
-
-    class Place:
-        def is_gpu_place(self):
-            return True
-
-    class Tracer:
-        _expected_place = Place()
-
-        def __getattr__(self, key):
-            return getattr(real(), key)
-
     kw = dict(scale_loss=2.0 ** 127, amp_decr_ratio=2.0 ** -100, amp_decr_every_n_nan_or_inf=1,
               max_steps=4)
     t, _ = _stub_run(tmp_path / "real", inf_at=(), **kw)
-    monkeypatch.setattr(gs, "_dygraph_tracer", lambda: Tracer())
-    t.precision.scaler = t.precision._make_scaler(None)
-    monkeypatch.setattr(gs, "_dygraph_tracer", real)
+    t.precision.scaler = real_fp16_scaler(t.precision)
     # GradScaler.scale turns itself off unless auto_cast ran in float16 (it reads the global AMP
     # dtype, which auto_cast(dtype="float16") sets on a GPU: amp/auto_cast.py amp_guard); here the
     # forward runs float32 without auto_cast (it is disabled on CPU anyway) and the dtype is set
