@@ -1,0 +1,248 @@
+"""Why does fleet's DygraphShardingOptimizerV2 (split_param) differ from one process on gloo?
+
+    python -m paddle.distributed.launch --nproc_per_node 2 --log_dir /tmp/v2log \
+        tools/probes/sharding_v2_probe.py [v1|v2] [--rs copy|slice] [--clip 0.05]
+
+A 3-layer MLP, AdamW (weight decay 0.01, eps 1e-6), global batch 8 split 4 + 4 over a sharding
+group of 2 (fleet hybrid, sharding_degree 2). Each rank also trains the one-process reference at
+the same global batch and prints, after every step, the max |param - reference| per tensor, so
+the first step and tensor that diverge are visible. Before training it checks the gloo
+reduce_scatter emulation against a hand-computed reduction, once writing into a plain tensor and
+once into a `_slice` view of the input (the way V2's FusedCommBuffer calls it).
+
+Emulations ("--rs"): gloo has no reduce_scatter. Both all-reduce a copy of the input and keep this
+rank's part; "copy" writes the part with `Tensor.copy_` (the probe in /work/shared did this),
+"slice" writes it through `paddle.assign` into the output view's own memory.
+The finding is in docs/notes/sharding_v2.md.
+"""
+import argparse
+import sys
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn as nn
+from paddle.distributed import ReduceOp, fleet
+
+H_IN, H, OUT, GB, STEPS = 16, 32, 4, 8, 3
+
+
+class MLP(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(H_IN, H), nn.Linear(H, H), nn.Linear(H, OUT)
+        for i, p in enumerate(self.parameters()):
+            p.set_value((np.random.RandomState(50 + i).randn(*p.shape) * 0.3).astype("float32"))
+
+    def forward(self, x):
+        return self.l3(paddle.tanh(self.l2(paddle.tanh(self.l1(x)))))
+
+
+def batch(step):
+    r = np.random.RandomState(500 + step)
+    return (paddle.to_tensor(r.randn(GB, H_IN).astype("float32")),
+            paddle.to_tensor(r.randn(GB, OUT).astype("float32")))
+
+
+def optimizer(params, clip):
+    c = nn.ClipGradByGlobalNorm(clip) if clip else None
+    return paddle.optimizer.AdamW(learning_rate=0.01, parameters=params, weight_decay=0.01, epsilon=1e-6,
+                                  grad_clip=c)
+
+
+def reference(clip):
+    """{step: {name: array}} of the one-process run at the global batch."""
+    m = MLP()
+    opt = optimizer(m.parameters(), clip)
+    snaps, grads = [], []
+    for s in range(STEPS):
+        x, y = batch(s)
+        ((m(x) - y) ** 2).mean().backward()
+        grads.append({n: p.grad.numpy().reshape(-1).copy() for n, p in m.named_parameters()})
+        opt.step()
+        opt.clear_grad()
+        snaps.append({n: p.numpy().copy() for n, p in m.named_parameters()})
+    return snaps, grads
+
+
+class _Done:
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def make_reduce_scatter(how):
+    def reduce_scatter(tensor, tensor_or_tensor_list, op=ReduceOp.SUM, group=None, sync_op=True):
+        src = tensor_or_tensor_list
+        full = (paddle.concat([t.reshape([-1]) for t in src]) if isinstance(src, (list, tuple))
+                else src.reshape([-1]).clone())
+        n, r = (group.nranks, group.rank) if group is not None else (dist.get_world_size(), dist.get_rank())
+        dist.all_reduce(full, op=ReduceOp.SUM if op == ReduceOp.AVG else op, group=group)
+        if op == ReduceOp.AVG:
+            full = full / n
+        part = full[r * (full.shape[0] // n):(r + 1) * (full.shape[0] // n)].reshape(tensor.shape)
+        if how == "copy":
+            tensor.copy_(part, False)
+        else:
+            paddle.assign(part, output=tensor)
+        return _Done()
+    return reduce_scatter
+
+
+def install(how):
+    from paddle.distributed.communication import reduce_scatter as mod
+    from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
+    rs = make_reduce_scatter(how)
+    dist.reduce_scatter = rs
+    mod.reduce_scatter = rs
+    tfh.alignment["cpu"] = 256               # the gpu value; cpu has no entry
+    tfh.__current_device_type__ = "cpu"      # skips the gpu/npu/xpu assert
+
+
+def install_zero_clear_grad():
+    """V2.clear_grad without main_grad calls p.clear_gradient(True), which marks the leaf's grad
+    "fake empty": the next backward *replaces* p.grad by a new tensor instead of adding into it, so
+    p.grad leaves the fused buffer that V2 reduce-scatters. Zero it in place instead (V1 does so for
+    its own fused buffer: tensor_fusion, dygraph_sharding_optimizer.py:229-231)."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
+    orig = dso.DygraphShardingOptimizerV2.clear_grad
+
+    def clear_grad(self, set_to_zero=True):
+        if set_to_zero and not self.sd_release_grads:
+            with paddle.no_grad():
+                for q in self._parameter_list:
+                    if not hasattr(q, "main_grad") and q.grad is not None:
+                        q.grad.zero_()
+            return
+        return orig(self, set_to_zero)
+    dso.DygraphShardingOptimizerV2.clear_grad = clear_grad
+
+
+def check_emulation(rank, how):
+    """The emulation against a hand-worked reduction, into a plain tensor and into a _slice view."""
+    rs = make_reduce_scatter(how)
+    x = paddle.arange(8, dtype="float32") + 100 * rank          # rank0: 0..7, rank1: 100..107
+    want = (np.arange(8) * 2 + 100).astype("float32")[rank * 4:(rank + 1) * 4]
+    out = paddle.zeros([4], "float32")
+    rs(out, x.clone(), group=None)
+    plain = float(np.abs(out.numpy() - want).max())
+    buf = x.clone()
+    view = buf._slice(rank * 4, rank * 4 + 4)
+    rs(view, buf, group=None)
+    in_buffer = float(np.abs(buf.numpy()[rank * 4:rank * 4 + 4] - want).max())
+    print(rank, f"EMULATION[{how}] plain out: max|err|={plain:.1e}; into a _slice view of the input: "
+          f"view max|err|={float(np.abs(view.numpy() - want).max()):.1e}, "
+          f"the buffer behind it max|err|={in_buffer:.1e}", flush=True)
+    return in_buffer
+
+
+def watch_v2(rank, opt, ref_grads, step):
+    """Wrap V2's call of the inner AdamW: compare each (slice param, grad) with the reference's grad
+    at the same flat offsets, and print the moments AdamW holds for it."""
+    v2 = opt._inner_opt
+    views = {n: b._sharding_param_grad_view[n] for b in v2._comm_buffer_list for n in b._sharding_param_grad_view}
+
+    inner = v2._inner_opt
+    orig = inner._apply_optimize
+
+    def apply(loss, startup_program, params_grads):
+        for sp, g in params_grads:
+            v = views[sp.name]
+            lo, hi = v._param_begin - v._index, v._param_end - v._index
+            ref = np.zeros(v._padded_size, "float32")
+            key = PNAME[sp.name]
+            ref[:ref_grads[step[0]][key].size] = ref_grads[step[0]][key]
+            prev = np.zeros(v._padded_size, "float32")
+            if step[0]:
+                prev[:ref_grads[step[0] - 1][key].size] = ref_grads[step[0] - 1][key]
+            gn = g.numpy().reshape(-1)
+            m1 = inner._accumulators.get("moment1", {}).get(sp.name)
+            b1 = inner._accumulators.get("beta1_pow_acc", {}).get(sp.name)
+            print(rank, f"step {step[0]} {key} slice [{lo},{hi}) shape {sp.shape} grad max|g - ref|="
+                  f"{float(np.abs(gn - ref[lo:hi]).max()):.1e}"
+                  f" (- ref - previous step's ref: {float(np.abs(gn - ref[lo:hi] - prev[lo:hi]).max()):.1e})"
+                  f" moment1 {None if m1 is None else m1.shape} beta1_pow {None if b1 is None else b1.numpy()}",
+                  flush=True)
+        return orig(loss=loss, startup_program=startup_program, params_grads=params_grads)
+    inner._apply_optimize = apply
+
+
+PNAME = {}
+
+
+def linked(rank, opt, when):
+    """Does each parameter's .grad still live in V2's fused gradient buffer?"""
+    out = []
+    for b in opt._inner_opt._comm_buffer_list:
+        for q in b.params:
+            out.append(f"{PNAME[q.name]}={q.grad is not None and q.grad._is_shared_buffer_with(b.grad_storage)}")
+    print(rank, when, "grad in the fused buffer:", " ".join(out), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["v1", "v2"])
+    p.add_argument("--rs", choices=["copy", "slice"], default="slice")
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--fix", choices=["none", "release", "zero"], default="none",
+                   help="release: sharding_configs.release_gradients (grads copied into the buffer each step); "
+                        "zero: V2.clear_grad zeroes p.grad in place (as V1 does for its fused buffer)")
+    p.add_argument("--debug", action="store_true", help="per step: the grads V2 hands AdamW vs the reference's")
+    a = p.parse_args()
+    ref, ref_grads = reference(a.clip)
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 2}
+    strategy.hybrid_configs["sharding_configs"].split_param = a.mode == "v2"
+    if a.fix == "release":
+        strategy.hybrid_configs["sharding_configs"].release_gradients = True
+    fleet.init(is_collective=True, strategy=strategy)
+    install(a.rs)
+    if a.fix == "zero":
+        install_zero_clear_grad()
+    rank = dist.get_rank()
+    check_emulation(rank, a.rs)
+    model = MLP()
+    opt = optimizer(model.parameters(), a.clip)
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+    inner = getattr(opt, "_inner_opt", opt)
+    PNAME.update({q.name: n.replace("_layers.", "") for n, q in model.named_parameters()})
+    print(rank, "optimizer:", type(opt).__name__, "->", type(inner).__name__, flush=True)
+    worst = 0.0
+    step = [0]
+    if a.debug and a.mode == "v2":
+        watch_v2(rank, opt, ref_grads, step)
+    for s in range(STEPS):
+        step[0] = s
+        x, y = batch(s)
+        loss = ((model(x[rank * 4:(rank + 1) * 4]) - y[rank * 4:(rank + 1) * 4]) ** 2).mean()
+        loss.backward()
+        if a.debug and a.mode == "v2":
+            linked(rank, opt, f"step {s} after backward")
+        opt.step()
+        if a.debug and a.mode == "v2":
+            linked(rank, opt, f"step {s} after step")
+        opt.clear_grad()
+        if a.debug and a.mode == "v2":
+            linked(rank, opt, f"step {s} after clear_grad")
+        if False:
+            for b in opt._inner_opt._comm_buffer_list:
+                for q in b.params:
+                    v = b._sharding_param_grad_view[q.name]
+                    at = v._grad_buffer._slice(v._index, v._index + q._numel())
+                    print(rank, f"step {s} after backward {PNAME[q.name]}: grad shares the fused buffer "
+                          f"{q.grad._is_shared_buffer_with(b.grad_storage)}, same address "
+                          f"{q.grad.data_ptr() == at.data_ptr()}, buffer == grad "
+                          f"{bool(np.array_equal(at.numpy().reshape(-1), q.grad.numpy().reshape(-1)))}", flush=True)
+        diffs = {n.replace("_layers.", ""): float(np.abs(q.numpy() - ref[s][n.replace("_layers.", "")]).max())
+                 for n, q in model.named_parameters()}
+        worst = max(worst, max(diffs.values()))
+        print(rank, f"step {s} max|param - one process| per tensor:",
+              " ".join(f"{k}={v:.1e}" for k, v in diffs.items()), flush=True)
+    print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} max|dparam|={worst:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
