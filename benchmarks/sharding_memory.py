@@ -39,6 +39,8 @@ sys.path.insert(0, ROOT)
 WORKER = r'''
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+from sharding_memory import held_by_kind
 import numpy as np
 import paddletune
 from paddletune import parallel
@@ -71,26 +73,8 @@ tr = Trainer(model, args, train_dataset=data, export_fn=lambda d: None, topology
              trainable=setup.trainable if setup else None)
 seen = {}
 
-def nbytes(t):
-    return int(np.prod(t.shape)) * t.element_size()
-
-def held(t):
-    """Bytes this tensor's storage holds on this rank now: its own if initialized, plus a separate
-    shard storage (paddle's group_sharded stage 3 keeps a released parameter's slice in fw_storage)."""
-    own = nbytes(t) if t._is_initialized() else 0
-    fw = getattr(t, "fw_storage", None)
-    if fw is not None and fw._is_initialized() and not (t._is_initialized() and fw._is_shared_buffer_with(t)):
-        own += nbytes(fw)
-    return own
-
 def record_held(t, info):
-    kinds = {"trainable": [0, 0], "frozen": [0, 0], "buffers": [0, 0]}
-    for p in model.parameters():
-        k = kinds["frozen" if p.stop_gradient else "trainable"]
-        k[0] += held(p); k[1] += nbytes(p)
-    for b in model.buffers():
-        kinds["buffers"][0] += held(b); kinds["buffers"][1] += nbytes(b)
-    seen["held"] = kinds
+    seen["held"] = held_by_kind(model)
 
 def record(t, info):
     if method != "full":
@@ -106,6 +90,35 @@ tr.train()
 seen["peak_rss_growth"] = field("VmHWM") - before
 json.dump(seen, open(os.path.join(out, f"rank{topo.rank}.json"), "w"))
 '''
+
+def nbytes(t):
+    return int(math.prod(t.shape)) * t.element_size()
+
+
+def held(t):
+    """Bytes this tensor's storage holds on this rank now: its own if initialized, plus a separate
+    shard storage (paddle's group_sharded stage 3 clears a parameter it does not need and keeps
+    the rank's slice in `fw_storage`)."""
+    own = nbytes(t) if t._is_initialized() else 0
+    fw = getattr(t, "fw_storage", None)
+    if fw is not None and fw._is_initialized() and not (t._is_initialized() and fw._is_shared_buffer_with(t)):
+        own += nbytes(fw)
+    return own
+
+
+def held_by_kind(model):
+    """{"trainable" | "frozen" | "buffers": [bytes held now, bytes of the whole tensors]} over a
+    model's parameters (frozen = stop_gradient) and buffers (quantized codes and scales)."""
+    kinds = {"trainable": [0, 0], "frozen": [0, 0], "buffers": [0, 0]}
+    for p in model.parameters():
+        k = kinds["frozen" if p.stop_gradient else "trainable"]
+        k[0] += held(p)
+        k[1] += nbytes(p)
+    for b in model.buffers():
+        kinds["buffers"][0] += held(b)
+        kinds["buffers"][1] += nbytes(b)
+    return kinds
+
 
 SHARE = {"dp": (1, 1, 1), "stage1": (1, 1, 0.5), "stage2": (1, 0.5, 0.5), "stage3": (0.5, 0.5, 0.5)}
 
