@@ -128,7 +128,8 @@ MODELS = {"llama2-70b": LLAMA2_70B}
 NF4 = 0.5 + 4 / 64   # bytes per quantized value: two codes per byte + a float32 absmax per 64 values
 
 
-def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard_buffers=False):
+def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard_buffers=False,
+                 frozen_kept=False):
     """{term: bytes} on one rank of LoRA / QLoRA training over S data-parallel = sharding ranks
     (stage 0: plain data parallel), with recompute. Why: the frozen backbone, not the trainable
     state, decides whether a 70B LoRA fits, and only stage 3 (which shards frozen parameters) or
@@ -157,6 +158,9 @@ def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard
                                                        (not sharded by any stage: per micro-batch)
         gather       stage 3: one block's frozen weights gathered at a time, 2*M/L (LoRA),
                      q*M/L (QLoRA with shard_buffers), 0 otherwise (the codes stay whole)
+    frozen_kept: stage 3 as paddle 3.3.1 ships it, where backward gathers frozen parameters again
+    and never releases them (docs/notes/group_sharded_frozen.md): the frozen float weights count
+    whole (2*(M + F) for LoRA, 2*F of QLoRA), nothing gathered on top.
     b = batch per rank, s = seq. Not counted: the CUDA context and allocator slack (~1-3 GB), a
     prefetched second block, the dequantized weight of one linear inside the QLoRA matmul.
     """
@@ -168,11 +172,14 @@ def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard
     F = 2 * V * H + (2 * L + 1) * H
     T = L * r * (2 * (H + n * d) + 2 * (H + k * d) + 3 * (H + I))
     s3, s2, s1 = (S if stage >= x else 1 for x in (3, 2, 1))
-    if method == "lora":
+    f3 = 1 if frozen_kept else s3
+    if method == "lora" and frozen_kept:
+        frozen, gather = 2 * (M + F), 0
+    elif method == "lora":
         frozen, gather = 2 * (M + F) / s3, (2 * M / L if stage >= 3 else 0)
     else:
         codes = NF4 * M / (S if stage >= 3 and shard_buffers else 1)
-        frozen, gather = codes + 2 * F / s3, (NF4 * M / L if stage >= 3 and shard_buffers else 0)
+        frozen, gather = codes + 2 * F / f3, (NF4 * M / L if stage >= 3 and shard_buffers and not frozen_kept else 0)
     tokens = batch * seq
     return {"frozen": frozen, "adapters": 2 * T / s3, "gradients": 4 * T / s2, "optimizer": 12 * T / s1,
             "activations": 2 * tokens * H * L + 2 * tokens * (10 * H + 3 * I) + 8 * tokens * V,
@@ -186,13 +193,16 @@ def print_model(name, S=8, gpu_gib=80, seq=4096, batch=1, r=8):
     print("| method | sharding | frozen weights | adapters | gradients | optimizer | activations "
           "| stage-3 gather | total | fits |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    rows = [(m, st, False) for m in ("lora", "qlora") for st in (0, 1, 2, 3)] + [("qlora", 3, True)]
-    for method, stage, shard_buffers in rows:
-        t = memory_model(cfg, method, stage, S, seq, batch, r, shard_buffers)
+    rows = ([("lora", st, False, False) for st in (0, 1, 2, 3)] + [("lora", 3, False, True)]
+            + [("qlora", st, False, False) for st in (0, 1, 2, 3)] + [("qlora", 3, True, False), ("qlora", 3, False, True)])
+    for method, stage, shard_buffers, kept in rows:
+        t = memory_model(cfg, method, stage, S, seq, batch, r, shard_buffers, kept)
         total = sum(t.values())
         label = "none (dp)" if stage == 0 else f"stage{stage}"
         if method == "qlora" and stage == 3:
             label += " codes sharded (ours)" if shard_buffers else " codes whole (paddle: buffers)"
+        if kept:
+            label += ", paddle as shipped (frozen kept whole after backward)"
         cells = " | ".join(f"{t[key] / 2 ** 30:.2f}" for key in
                            ("frozen", "adapters", "gradients", "optimizer", "activations", "gather"))
         print(f"| {'QLoRA nf4' if method == 'qlora' else 'LoRA bf16'} | {label} | {cells} | "

@@ -40,6 +40,9 @@ def test_hand_worked_counts():
     assert q0["frozen"] == 38_503_710_720 + 1_051_213_824                  # 0.5625 * M + 2 * F
     whole = sm.memory_model(CFG, "qlora", 3, shard_buffers=False)
     assert whole["frozen"] == 38_503_710_720 + 1_051_213_824 / 8 and whole["gather"] == 0
+    kept = sm.memory_model(CFG, "lora", 3, frozen_kept=True)                # paddle 3.3.1 as shipped
+    assert kept["frozen"] == 2 * (M + F) and kept["gather"] == 0 and kept["optimizer"] == 12 * T / 8
+    assert sm.memory_model(CFG, "qlora", 3, frozen_kept=True)["frozen"] == q0["frozen"]
     split = sm.memory_model(CFG, "qlora", 3, shard_buffers=True)
     assert split["frozen"] == (38_503_710_720 + 1_051_213_824) / 8 and split["gather"] == 481_296_384
 
@@ -71,7 +74,8 @@ def test_model_flag_prints_rows_and_formula(capsys):
     out = capsys.readouterr().out
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[-2].strip()
             for line in out.splitlines() if line.startswith("| LoRA") or line.startswith("| QLoRA")}
-    assert len(rows) == 9
+    assert len(rows) == 11
+    assert rows[("LoRA bf16", "stage3, paddle as shipped (frozen kept whole after backward)")] == "no"
     assert [rows[("LoRA bf16", s)] for s in ("none (dp)", "stage1", "stage2", "stage3")] == ["no", "no", "no", "yes"]
     assert all(v == "yes" for k, v in rows.items() if k[0] == "QLoRA nf4")
     assert ("QLoRA nf4", "stage3 codes whole (paddle: buffers)") in rows
