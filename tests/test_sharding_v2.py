@@ -9,7 +9,8 @@ tools/probes/sharding_v2_probe.py trains beside the sharded one on every rank.
   and the weights leave the reference by > 1e-3.
 - V2 with clear_grad zeroing in place: equal to one process (1e-6) with gradient clipping active
   (coefficient 0.008), the reduce_scatter emulation equal to a hand-worked reduction, the fused
-  buffer's padding checked zero by paddle's own flag, and AdamW's moments split: 1024 of the 2048
+  buffer's padding checked zero by paddle's own flag, the collectives of each step recorded
+  (one fused reduction, one all_gather, float32), and AdamW's moments split: 1024 of the 2048
   padded elements per rank (each tensor padded to 128 = 256 bytes / 4 x 2 ranks: 512 + 32->128 +
   1024 + 32->128 + 128 + 4->128 = 2048), fewer than the model's 1732 on each rank.
 """
@@ -71,3 +72,10 @@ def test_v2_with_in_place_clear_grad_equals_one_process(tmp_path):
         assert r["grads_in_buffer_after_backward"] == [True, True, True]
         assert r["max_dparam"] < 1e-6
         assert r["moment1"] == 1024 and r["total"] == 1732
+        # per step on the wire: the whole padded buffer (2048 float32) reduced once (gloo: the
+        # emulation's all_reduce; NCCL: reduce_scatter), the clip norm's scalars, one all_gather
+        # of the updated slices (1024 in + 2048 out); no per-tensor reduce / broadcast as in V1
+        for step in r["wire"]:
+            assert sorted(map(tuple, ((op, b) for op, b, _ in step))) == [
+                ("all_gather", 12288), ("all_reduce", 4), ("all_reduce", 4), ("all_reduce", 8192)]
+            assert all(d == "float32" for _, _, dts in step for d in dts)

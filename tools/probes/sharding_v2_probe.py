@@ -19,11 +19,16 @@ import argparse
 import json
 import sys
 
+import os
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 from paddle.distributed import ReduceOp, fleet
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from paddletune.parallel import recorder  # noqa: E402
 
 H_IN, H, OUT, GB, STEPS = 16, 32, 4, 8, 3
 
@@ -218,6 +223,7 @@ def main():
     step = [0]
     if a.debug and a.mode == "v2":
         watch_v2(rank, opt, ref_grads, step)
+    wire = []
     for s in range(STEPS):
         step[0] = s
         x, y = batch(s)
@@ -225,7 +231,9 @@ def main():
         loss.backward()
         if a.mode == "v2":
             still_linked.append(linked(rank, opt, f"step {s} after backward" if a.debug else ""))
-        opt.step()
+        with recorder.record() as log:
+            opt.step()
+        wire.append([(e["op"], e["bytes"], e["dtypes"]) for e in log if e["level"] == "pg"])
         if a.debug and a.mode == "v2":
             linked(rank, opt, f"step {s} after step")
         opt.clear_grad()
@@ -239,12 +247,13 @@ def main():
     moments = sum(int(np.prod(t.shape)) for t in inner._inner_opt._accumulators["moment1"].values())
     total = sum(int(np.prod(q.shape)) for q in model.parameters())
     print(rank, f"AdamW moment1 elements on this rank: {moments} of {total} parameters", flush=True)
+    print(rank, "collectives of the optimizer step (pg level: op, bytes, dtypes):", wire[-1], flush=True)
     print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} max|dparam|={worst:.3e}", flush=True)
     if a.json:
         with open(f"{a.json}.rank{rank}", "w") as f:
             json.dump({"optimizer": [type(opt).__name__, type(inner).__name__], "max_dparam": worst,
                        "emulation_err": emulation, "moment1": moments, "total": total,
-                       "grads_in_buffer_after_backward": still_linked}, f)
+                       "grads_in_buffer_after_backward": still_linked, "wire": wire}, f)
 
 
 if __name__ == "__main__":
