@@ -194,6 +194,7 @@ def main():
     p.add_argument("mode", choices=["v1", "v2"])
     p.add_argument("--rs", choices=["copy", "slice"], default="slice")
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--accum", type=int, default=1, choices=[1, 2, 4], help="gradient accumulation steps")
     p.add_argument("--fix", choices=["none", "release", "zero"], default="none",
                    help="release: sharding_configs.release_gradients (grads copied into the buffer each step); "
                         "zero: V2.clear_grad zeroes p.grad in place (as V1 does for its fused buffer)")
@@ -227,8 +228,11 @@ def main():
     for s in range(STEPS):
         step[0] = s
         x, y = batch(s)
-        loss = ((model(x[rank * 4:(rank + 1) * 4]) - y[rank * 4:(rank + 1) * 4]) ** 2).mean()
-        loss.backward()
+        n = 4 // a.accum            # micro-batches of this rank's 4 samples, each loss / accum
+        for m in range(a.accum):
+            lo = rank * 4 + m * n
+            loss = ((model(x[lo:lo + n]) - y[lo:lo + n]) ** 2).mean() / a.accum
+            loss.backward()
         if a.mode == "v2":
             still_linked.append(linked(rank, opt, f"step {s} after backward" if a.debug else ""))
         with recorder.record() as log:
@@ -248,7 +252,7 @@ def main():
     total = sum(int(np.prod(q.shape)) for q in model.parameters())
     print(rank, f"AdamW moment1 elements on this rank: {moments} of {total} parameters", flush=True)
     print(rank, "collectives of the optimizer step (pg level: op, bytes, dtypes):", wire[-1], flush=True)
-    print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} max|dparam|={worst:.3e}", flush=True)
+    print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} accum={a.accum} max|dparam|={worst:.3e}", flush=True)
     if a.json:
         with open(f"{a.json}.rank{rank}", "w") as f:
             json.dump({"optimizer": [type(opt).__name__, type(inner).__name__], "max_dparam": worst,
