@@ -8,9 +8,13 @@ padded to a multiple of it and cut in 2): frozen l2, l3 weights 65536 -> 32768 e
 256 -> 1024 -> 512 each: 66560 of 131584 elements (266240 of 526336 bytes); trainable l1.weight
 4096 -> 2048, l1.bias 256 -> 512, l4.weight 1024 -> 512, l4.bias 4 -> 512: 3584 of 5380 elements
 (14336 of 21520 bytes); the 4096-byte buffer stays whole (paddle never shards buffers).
+The release after each layer's backward is also run with l2, l3 under fleet's non-reentrant
+recompute (as paddletune's runner calls it).
 """
 import json
 import os
+
+import pytest
 
 from conftest import ROOT, launch
 
@@ -20,10 +24,10 @@ TRAINABLE = [14336, 21520]
 BUFFERS = [4096, 4096]
 
 
-def _probe(tmp_path, mode):
+def _probe(tmp_path, mode, *extra):
     out = str(tmp_path / mode)
     logs = tmp_path / f"{mode}_log"
-    r = launch([PROBE, "--release-frozen", mode, "--json", out], log_dir=str(logs), timeout=300)
+    r = launch([PROBE, "--release-frozen", mode, "--json", out, *extra], log_dir=str(logs), timeout=300)
     tail = "".join(open(logs / f).read()[-3000:] for f in sorted(os.listdir(logs)) if f.startswith("workerlog"))
     assert r.returncode == 0, tail
     ranks = [json.load(open(f"{out}.rank{i}")) for i in (0, 1)]
@@ -40,8 +44,9 @@ def test_stage3_as_shipped_keeps_frozen_whole_after_backward(tmp_path):
         assert all(k["frozen"] == FROZEN_WHOLE for k in res["steps"] + res["backward_end"])
 
 
-def test_release_frozen_in_backward_keeps_the_slice(tmp_path):
-    for res in _probe(tmp_path, "backward"):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_release_frozen_in_backward_keeps_the_slice(tmp_path, recompute):
+    for res in _probe(tmp_path, "backward", *(["--recompute"] if recompute else [])):
         assert all(k["frozen"] == FROZEN_SLICE for k in res["steps"] + res["backward_end"])
 
 

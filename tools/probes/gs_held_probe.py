@@ -72,8 +72,19 @@ class MLP(nn.Layer):
             q.stop_gradient = True
         self.register_buffer("codes", paddle.ones([4096], "uint8"))
 
+    recompute = False
+
+    def middle(self, h):
+        return paddle.tanh(self.l3(paddle.tanh(self.l2(h))))
+
     def forward(self, x):
-        return self.l4(paddle.tanh(self.l3(paddle.tanh(self.l2(paddle.tanh(self.l1(x)))))))
+        h = paddle.tanh(self.l1(x))
+        if self.recompute:     # as paddletune's runner does: fleet's recompute, non-reentrant
+            from paddle.distributed.fleet.utils import recompute
+            h = recompute(self.middle, h, use_reentrant=False)
+        else:
+            h = self.middle(h)
+        return self.l4(h)
 
 
 def batch(step, rank=None):
@@ -156,6 +167,7 @@ def main():
     p.add_argument("--segment-size", type=int, default=0)
     p.add_argument("--json")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--recompute", action="store_true", help="l2, l3 under fleet's recompute (non-reentrant)")
     p.add_argument("--release-frozen", choices=["none", "step", "backward"], default="none",
                    help="release frozen slices after every step / after each layer's backward (+ after the step)")
     p.add_argument("--debug", action="store_true", help="each parameter's status / storage at each point")
@@ -166,6 +178,7 @@ def main():
     install_gates()
     from paddle.distributed.sharding import group_sharded_parallel
 
+    MLP.recompute = a.recompute
     model = MLP()
     inner = model
     opt = paddle.optimizer.AdamW(learning_rate=0.01, parameters=[q for q in model.parameters() if not q.stop_gradient])
@@ -203,7 +216,7 @@ def main():
     dparam = max(float(np.abs(q.numpy().reshape(ref_params[n].shape) - ref_params[n]).max())
                  for n, q in inner.named_parameters())
     dloss = max(abs(u - v) for u, v in zip(losses, ref_losses))
-    print(rank, f"RESULT release_frozen={a.release_frozen} max|dloss|={dloss:.2e} max|dparam|={dparam:.2e}", flush=True)
+    print(rank, f"RESULT release_frozen={a.release_frozen} recompute={a.recompute} max|dloss|={dloss:.2e} max|dparam|={dparam:.2e}", flush=True)
     for when, kinds in ([("after wrap", after_wrap)] + [(f"after step {s}", k) for s, k in enumerate(steps)]
                         + [(f"end of backward {s}", k) for s, k in enumerate(backward_end)]):
         print(rank, type(model).__name__, when, "held bytes [now, whole]:", kinds,
