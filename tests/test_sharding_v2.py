@@ -8,7 +8,9 @@ tools/probes/sharding_v2_probe.py trains beside the sharded one on every rank.
 - V2 as paddle ships it: from the second step the grads leave the buffer, V2 reduce-scatters zeros
   and the weights leave the reference by > 1e-3.
 - V2 with clear_grad zeroing in place: equal to one process (1e-6) with gradient clipping active
-  (coefficient 0.008) and 2 accumulated micro-batches per step, the reduce_scatter emulation equal to a hand-worked reduction, the fused
+  (coefficient 0.008), 2 accumulated micro-batches per step and paddletune's per-tensor settings
+  on a flat parameter list (no decay on biases, lr scale 2 on biases: they move the reference's
+  weights by up to 3e-2, so a slice that lost them would show), the reduce_scatter emulation equal to a hand-worked reduction, the fused
   buffer's padding checked zero by paddle's own flag, the collectives of each step recorded
   (one fused reduction, one all_gather, float32), and AdamW's moments split: 1024 of the 2048
   padded elements per rank (each tensor padded to 128 = 256 bytes / 4 x 2 ranks: 512 + 32->128 +
@@ -64,7 +66,7 @@ def test_v2_as_shipped_differs_from_one_process(tmp_path):
 
 
 def test_v2_with_in_place_clear_grad_equals_one_process(tmp_path):
-    ranks = _probe(tmp_path, "fixed", "--fix", "zero", "--clip", "0.05", "--accum", "2",
+    ranks = _probe(tmp_path, "fixed", "--fix", "zero", "--clip", "0.05", "--accum", "2", "--like",
                    env={"FLAGS_sharding_v2_check_zero_padding": "1"})
     for r in ranks:
         assert r["optimizer"] == ["HybridParallelOptimizer", "DygraphShardingOptimizerV2"]

@@ -50,16 +50,27 @@ def batch(step):
             paddle.to_tensor(r.randn(GB, OUT).astype("float32")))
 
 
-def optimizer(params, clip):
+def optimizer(params, clip, like=False):
+    """like=True: paddletune's per-tensor settings on a flat list (V2 refuses parameter groups,
+    dygraph_sharding_optimizer.py:621-624): no weight decay on biases (apply_decay_param_fun by
+    name) and an lr scale of 2 on biases through optimize_attr (what a LoRA+ scale would use)."""
     c = nn.ClipGradByGlobalNorm(clip) if clip else None
+    kw = {}
+    if like:
+        params = list(params)
+        decay = {p.name for p in params if len(p.shape) == 2}
+        for p in params:
+            if len(p.shape) == 1:
+                p.optimize_attr = {"learning_rate": 2.0}
+        kw["apply_decay_param_fun"] = lambda name: name in decay
     return paddle.optimizer.AdamW(learning_rate=0.01, parameters=params, weight_decay=0.01, epsilon=1e-6,
-                                  grad_clip=c)
+                                  grad_clip=c, **kw)
 
 
-def reference(clip):
+def reference(clip, like=False):
     """{step: {name: array}} of the one-process run at the global batch."""
     m = MLP()
-    opt = optimizer(m.parameters(), clip)
+    opt = optimizer(m.parameters(), clip, like)
     snaps, grads = [], []
     for s in range(STEPS):
         x, y = batch(s)
@@ -194,6 +205,7 @@ def main():
     p.add_argument("mode", choices=["v1", "v2"])
     p.add_argument("--rs", choices=["copy", "slice"], default="slice")
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--like", action="store_true", help="paddletune-like per-tensor decay / lr scales")
     p.add_argument("--accum", type=int, default=1, choices=[1, 2, 4], help="gradient accumulation steps")
     p.add_argument("--fix", choices=["none", "release", "zero"], default="none",
                    help="release: sharding_configs.release_gradients (grads copied into the buffer each step); "
@@ -201,7 +213,7 @@ def main():
     p.add_argument("--json", help="write this rank's results to JSON+'.rank<r>' (the test reads them)")
     p.add_argument("--debug", action="store_true", help="per step: the grads V2 hands AdamW vs the reference's")
     a = p.parse_args()
-    ref, ref_grads = reference(a.clip)
+    ref, ref_grads = reference(a.clip, a.like)
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 2}
     strategy.hybrid_configs["sharding_configs"].split_param = a.mode == "v2"
@@ -214,7 +226,7 @@ def main():
     rank = dist.get_rank()
     emulation = check_emulation(rank, a.rs)
     model = MLP()
-    opt = optimizer(model.parameters(), a.clip)
+    opt = optimizer(model.parameters(), a.clip, a.like)
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
     inner = getattr(opt, "_inner_opt", opt)
@@ -252,7 +264,7 @@ def main():
     total = sum(int(np.prod(q.shape)) for q in model.parameters())
     print(rank, f"AdamW moment1 elements on this rank: {moments} of {total} parameters", flush=True)
     print(rank, "collectives of the optimizer step (pg level: op, bytes, dtypes):", wire[-1], flush=True)
-    print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} accum={a.accum} max|dparam|={worst:.3e}", flush=True)
+    print(rank, f"RESULT {a.mode} rs={a.rs} fix={a.fix} clip={a.clip} accum={a.accum} like={a.like} max|dparam|={worst:.3e}", flush=True)
     if a.json:
         with open(f"{a.json}.rank{rank}", "w") as f:
             json.dump({"optimizer": [type(opt).__name__, type(inner).__name__], "max_dparam": worst,
