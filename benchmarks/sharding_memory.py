@@ -156,13 +156,15 @@ def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard
                                                        (flash attention: no n*s score term)
                    + 8*b*s*V                           float32 logits and their gradient
                                                        (not sharded by any stage: per micro-batch)
-        gather       stage 3: one block's frozen weights gathered at a time, 2*M/L (LoRA),
-                     q*M/L (QLoRA with shard_buffers), 0 otherwise (the codes stay whole)
+        gather       stage 3: two blocks' frozen weights whole beyond their slices, the block
+                     being computed and the one stage 3 prefetches (measured in backward:
+                     tools/probes/gs_held_probe.py): 2 * 2*M/L (LoRA), 2 * q*M/L (QLoRA with
+                     shard_buffers), 0 otherwise (the codes stay whole)
     frozen_kept: stage 3 as paddle 3.3.1 ships it, where backward gathers frozen parameters again
     and never releases them (docs/notes/group_sharded_frozen.md): the frozen float weights count
     whole (2*(M + F) for LoRA, 2*F of QLoRA), nothing gathered on top.
-    b = batch per rank, s = seq. Not counted: the CUDA context and allocator slack (~1-3 GB), a
-    prefetched second block, the dequantized weight of one linear inside the QLoRA matmul.
+    b = batch per rank, s = seq. Not counted: the CUDA context and allocator slack (~1-3 GB), the
+    dequantized weight of one linear inside the QLoRA matmul.
     """
     H, L, V, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
     n = cfg["num_attention_heads"]
@@ -176,10 +178,10 @@ def memory_model(cfg, method="lora", stage=0, S=8, seq=4096, batch=1, r=8, shard
     if method == "lora" and frozen_kept:
         frozen, gather = 2 * (M + F), 0
     elif method == "lora":
-        frozen, gather = 2 * (M + F) / s3, (2 * M / L if stage >= 3 else 0)
+        frozen, gather = 2 * (M + F) / s3, (2 * 2 * M / L if stage >= 3 else 0)
     else:
         codes = NF4 * M / (S if stage >= 3 and shard_buffers else 1)
-        frozen, gather = codes + 2 * F / f3, (NF4 * M / L if stage >= 3 and shard_buffers and not frozen_kept else 0)
+        frozen, gather = codes + 2 * F / f3, (2 * NF4 * M / L if stage >= 3 and shard_buffers and not frozen_kept else 0)
     tokens = batch * seq
     return {"frozen": frozen, "adapters": 2 * T / s3, "gradients": 4 * T / s2, "optimizer": 12 * T / s1,
             "activations": 2 * tokens * H * L + 2 * tokens * (10 * H + 3 * I) + 8 * tokens * V,

@@ -48,6 +48,12 @@ def test_stage3_as_shipped_keeps_frozen_whole_after_backward(tmp_path):
 def test_release_frozen_in_backward_keeps_the_slice(tmp_path, recompute):
     for res in _probe(tmp_path, "backward", *(["--recompute"] if recompute else [])):
         assert all(k["frozen"] == FROZEN_SLICE for k in res["steps"] + res["backward_end"])
+        # within backward, just before each release: the layer just done whole + the other's slice
+        # ((65536 + 256) * 4 + (32768 + 512) * 4 = 396288 bytes), and the full buffer stage 3
+        # prefetched for the next layer back (l2: 66560 * 4 = 266240; l1: (4096 + 1024) * 4 = 20480)
+        # (under recompute 8192 more: l4's full buffer, (1024 + 1024) * 4, still in the task flow)
+        extra = 8192 if recompute else 0
+        assert res["in_backward"] == [[396288, 266240 + extra], [396288, 20480 + extra]] * 3
 
 
 def test_release_frozen_after_step_only_leaves_backward_whole(tmp_path):

@@ -150,13 +150,24 @@ class _AfterBackward(PyLayer):
         return dy
 
 
-def release_frozen_in_backward(stage3, layers):
-    """Release each layer's frozen slices as soon as its backward is done, so backward holds one
-    layer's frozen weights at a time (not the whole backbone by its end)."""
+def release_frozen_in_backward(stage3, layers, seen=None):
+    """Release each layer's frozen slices as soon as its backward is done, so backward holds only
+    the layers it is in (not the whole backbone by its end). seen: a list that gets the frozen
+    bytes held just before each release (the probe's peak)."""
+    byname = {q.name: q for q in stage3._layer.parameters()}
+
     def hook(layer, inputs):
         x = inputs[0]
+
+        def done():
+            if seen is not None:   # + prefetched full buffers not yet handed to their parameter
+                pending = sum(int(np.prod(full.shape)) * full.element_size()
+                              for n, (full, _) in stage3._task_flow.full_param.items()
+                              if getattr(byname[n], "status", None) != "all")
+                seen.append([held_by_kind(stage3._layer)["frozen"][0], pending])
+            release_frozen(stage3, {id(layer)})
         if isinstance(x, paddle.Tensor) and not x.stop_gradient:
-            return (_AfterBackward.apply(x, lambda: release_frozen(stage3, {id(layer)})),) + tuple(inputs[1:])
+            return (_AfterBackward.apply(x, done),) + tuple(inputs[1:])
         return None
     for layer in layers:
         layer.register_forward_pre_hook(hook)
@@ -182,9 +193,10 @@ def main():
     model = MLP()
     inner = model
     opt = paddle.optimizer.AdamW(learning_rate=0.01, parameters=[q for q in model.parameters() if not q.stop_gradient])
+    in_backward = []
     model, opt, _ = group_sharded_parallel(model, opt, level="p_g_os", segment_size=a.segment_size)
     if a.release_frozen == "backward":
-        release_frozen_in_backward(model, [inner.l2, inner.l3])
+        release_frozen_in_backward(model, [inner.l2, inner.l3], in_backward)
     def show(when):
         if a.debug:
             print(rank, when, [(n, getattr(q, "status", None), q._is_initialized(),
@@ -216,6 +228,8 @@ def main():
     dparam = max(float(np.abs(q.numpy().reshape(ref_params[n].shape) - ref_params[n]).max())
                  for n, q in inner.named_parameters())
     dloss = max(abs(u - v) for u, v in zip(losses, ref_losses))
+    if in_backward:
+        print(rank, "[frozen bytes held, prefetched bytes pending] just before each layer's release in backward:", in_backward, flush=True)
     print(rank, f"RESULT release_frozen={a.release_frozen} recompute={a.recompute} max|dloss|={dloss:.2e} max|dparam|={dparam:.2e}", flush=True)
     for when, kinds in ([("after wrap", after_wrap)] + [(f"after step {s}", k) for s, k in enumerate(steps)]
                         + [(f"end of backward {s}", k) for s, k in enumerate(backward_end)]):
@@ -223,7 +237,7 @@ def main():
               {k: round(v[0] / v[1], 3) for k, v in kinds.items() if v[1]}, flush=True)
     if a.json:
         with open(f"{a.json}.rank{rank}", "w") as f:
-            json.dump({"wrapper": type(model).__name__, "after_wrap": after_wrap, "steps": steps, "backward_end": backward_end,
+            json.dump({"wrapper": type(model).__name__, "after_wrap": after_wrap, "steps": steps, "backward_end": backward_end, "in_backward": in_backward,
                        "dloss": dloss, "dparam": dparam}, f)
 
 
