@@ -12,6 +12,7 @@ reports CPU ms of:
   fwd layers    the decoder layers' first forward (all layers);
   again layers  the decoder layers run again in backward (recompute on only: the forward-again);
   kernel fwd    the blocked attention kernel's forward calls (first pass + again), inside the above;
+  linears       the LoRA linears' forward calls (first pass + again), inside the layers;
 and "machinery" = (step on - step off) - (again layers): the rest of recompute's cost (paddle's
 RNG save/restore, the saved-tensor hooks, the autograd graph built twice, allocator effects).
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "peers"))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
+KEYS = ("step", "fwd layers", "again layers", "kernel fwd", "linears")
 MODES = ("off", "on, rerun", "on, reuse")   # recompute off; on, kernel run again; on, (out, lse) reused
 
 
@@ -70,8 +72,9 @@ def main():
     phase = {"name": "fwd"}
     print(f"threads {os.environ.get('OMP_NUM_THREADS')}, kernels {'on' if kernels.cpu_ops() else 'off'}, "
           f"{o.rounds} rounds x {o.steps} steps per mode, CPU ms per step")
-    print("| S | recompute | step | fwd layers | again layers | kernel fwd | loss first / last |")
-    print("|---|---|---|---|---|---|---|")
+    print("median (min) over the steps")
+    print("| S | recompute | " + " | ".join(KEYS) + " | loss first / last |")
+    print("|---|---|" + "---|" * len(KEYS) + "---|")
     for S in map(int, o.seqs.split(",")):
         c = dict(cfg, seq=S, batch=1)
         data = harness.write_data(os.path.join(work, f"data-{S}.safetensors"),
@@ -90,6 +93,9 @@ def main():
                 count["n"] += 1
                 return "fwd layers" if count["n"] <= len(layers) else "again layers"
             layer.forward = clock.wrap(fwd, key)
+            for sub in layer.sublayers():   # the LoRA linears: "linears" (both passes)
+                if type(sub).__name__ == "LoRALinear":
+                    sub.forward = clock.wrap(sub.forward, lambda: "linears")
         ops = kernels.cpu_ops()
         base = ops.pt_flash_attn
         ops.pt_flash_attn = clock.wrap(base, lambda: "kernel fwd")
@@ -111,8 +117,9 @@ def main():
                         per.setdefault((mode, k), []).append(v)
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         for mode in MODES:
-            cells = [med(per.get((mode, k), [0.0])) * 1000 for k in ("step", "fwd layers", "again layers", "kernel fwd")]
-            print(f"| {S} | {mode} | " + " | ".join(f"{x:.0f}" for x in cells)
+            cells = [f"{med(per.get((mode, k), [0.0])) * 1000:.0f} ({min(per.get((mode, k), [0.0])) * 1000:.0f})"
+                     for k in KEYS]
+            print(f"| {S} | {mode} | " + " | ".join(cells)
                   + f" | {losses[mode][0]:.4f} / {losses[mode][-1]:.4f} |", flush=True)
         off = med(per[("off", "step")])
         for mode in MODES[1:]:
