@@ -3,7 +3,7 @@ in ONE process, alternating, timed in CPU time (time.process_time) -- usable on 
 (single-threaded, PADDLETUNE_NUM_THREADS=1 by default), unlike wall time.
 
     PYTHONPATH=. python benchmarks/recompute_ab.py [--seqs 1024,2048] [--rounds 3] [--steps 2]
-                                                  [--threads 1] [--layers-only]
+                                                  [--threads 1] [--smoke]
 
 Model and step as benchmarks/long_context.py (the 4-layer, hidden-256 Llama, batch 1, LoRA r=8 on
 every linear, Trainer.training_step: forward, backward, clip, AdamW). Per step and mode it
@@ -56,7 +56,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", default="1")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, sequence 32, 1 round of 1 step (script check)")
     o = ap.parse_args()
+    if o.smoke:
+        o.seqs, o.rounds, o.steps = "32", 1, 1
     os.environ.setdefault("PADDLETUNE_NUM_THREADS", o.threads)
 
     import harness
@@ -66,7 +69,7 @@ def main():
     from paddletune.kernels import attention as kattn
 
     work = tempfile.mkdtemp(prefix="recompute-ab-")
-    cfg = dict(harness.DESIGN)
+    cfg = dict(harness.SMOKE if o.smoke else harness.DESIGN)
     harness.write_checkpoint(os.path.join(work, "checkpoint"), dict(cfg, seq=max(map(int, o.seqs.split(",")))))
     clock = Clock()
     phase = {"name": "fwd"}
