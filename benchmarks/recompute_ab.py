@@ -13,6 +13,9 @@ reports CPU ms of:
   again layers  the decoder layers run again in backward (recompute on only: the forward-again);
   kernel fwd    the blocked attention kernel's forward calls (first pass + again), inside the above;
   linears       the LoRA linears' forward calls (first pass + again), inside the layers;
+  kernel bwd    the blocked attention kernel's backward calls;
+  head+loss     the LM head and cross-entropy (models/linear_ce.py: logits, loss and the head's
+                input gradient, all in the forward);
 and "machinery" = (step on - step off) - (again layers): the rest of recompute's cost (paddle's
 RNG save/restore, the saved-tensor hooks, the autograd graph built twice, allocator effects).
 """
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "peers"))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-KEYS = ("step", "fwd layers", "again layers", "kernel fwd", "linears")
+KEYS = ("step", "fwd layers", "again layers", "kernel fwd", "linears", "kernel bwd", "head+loss")
 MODES = ("off", "on, rerun", "on, reuse")   # recompute off; on, kernel run again; on, (out, lse) reused
 
 
@@ -67,6 +70,7 @@ def main():
     import paddletune_train
     from paddletune import kernels
     from paddletune.kernels import attention as kattn
+    from paddletune.models import linear_ce
 
     work = tempfile.mkdtemp(prefix="recompute-ab-")
     cfg = dict(harness.SMOKE if o.smoke else harness.DESIGN)
@@ -100,8 +104,10 @@ def main():
                 if type(sub).__name__ == "LoRALinear":
                     sub.forward = clock.wrap(sub.forward, lambda: "linears")
         ops = kernels.cpu_ops()
-        base = ops.pt_flash_attn
+        base, base_bwd, base_head = ops.pt_flash_attn, ops.pt_flash_attn_bwd, linear_ce._blocks
         ops.pt_flash_attn = clock.wrap(base, lambda: "kernel fwd")
+        ops.pt_flash_attn_bwd = clock.wrap(base_bwd, lambda: "kernel bwd")
+        linear_ce._blocks = clock.wrap(base_head, lambda: "head+loss")
         per = {}
         losses = {}
         trainer.training_step([batches[0]], spec["lr"])   # warm-up (kernel build, allocator)
@@ -131,7 +137,7 @@ def main():
             print(f"S={S} {mode}: recompute cost {d * 1000:.0f} ms/step = {100 * d / off:.1f}% of the off step;"
                   f" forward-again {again * 1000:.0f} ms, machinery + rest {(d - again) * 1000:.0f} ms", flush=True)
         del trainer, model, batches
-        ops.pt_flash_attn = base
+        ops.pt_flash_attn, ops.pt_flash_attn_bwd, linear_ce._blocks = base, base_bwd, base_head
 
 
 if __name__ == "__main__":
