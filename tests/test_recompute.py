@@ -124,12 +124,23 @@ def _kernel_run(monkeypatch, recompute, granularity, reuse, mask):
     fwd = ops_.pt_flash_attn
     monkeypatch.setattr(ops_, "pt_flash_attn", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(*a))
     monkeypatch.setattr(kattn.ReuseOutputs, "enabled", reuse)
-    model = build_model(get_spec("llama").tiny_config, seed=0)
+    slots, init = [], kattn.ReuseOutputs.__init__
+    monkeypatch.setattr(kattn.ReuseOutputs, "__init__", lambda self: init(self) or slots.append(self))
+    conf = get_spec("llama").tiny_config
+    model = build_model(conf, seed=0)
     model.train()
     model.recompute, model.recompute_granularity = recompute, granularity
     x = np.random.default_rng(0).integers(3, 500, (2, 12))
     loss = lm_loss(model, x, x, attention_mask=mask).loss
+    if recompute and reuse:   # between forward and backward each block's slot holds out and lse only
+        D = conf["hidden_size"] // conf["num_attention_heads"]
+        assert len(slots) == conf["num_hidden_layers"]
+        for slot in slots:
+            (key, (out, lse)), = slot.records
+            assert out.shape == [2, 12, conf["num_attention_heads"] * D]
+            assert lse.shape == [2, conf["num_attention_heads"], 12]
     loss.backward()
+    assert all(slot.records == [] and slot.passes == 2 for slot in slots)   # handed over, let go
     monkeypatch.undo()
     assert kattn._STATE.get("reuse") is None   # no region left open
     return calls["fwd"], float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}
@@ -143,7 +154,8 @@ def test_recompute_reuses_the_attention_kernel_forward(monkeypatch, granularity,
     backward (kernels.attention.ReuseOutputs): the kernel forward runs once per block, as without
     recompute (twice when the kernel runs again), and loss and every gradient equal the run that
     runs the kernel again exactly, and the recompute-off run to 1e-6 (causal, and left-padded
-    rows through the kernel's key window)."""
+    rows through the kernel's key window). Between forward and backward each block's slot holds
+    one (out [B, S, N*D], lse [B, N, S]); after backward none holds anything."""
     mask = np.ones((2, 12), np.int64)
     if padded:
         mask[1, :5] = 0
