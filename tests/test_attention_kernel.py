@@ -200,3 +200,36 @@ def test_all_ones_attention_mask_is_the_plain_causal_mask():
     ones[1, 8] = 0
     bias = layers.attention_bias(2, 9, 0, ones)
     assert not layers.is_plain_causal(bias, 9) and bool(bias.dense()[1, 0, :, 8].all())
+
+
+def test_reuse_outputs_hands_each_record_to_the_matching_call_once(monkeypatch):
+    """kernels.attention.ReuseOutputs (recompute): pass 2 of a region takes pass 1's (out, lse)
+    for the call with the same key -- no kernel forward, and out and the gradients equal a fresh
+    kernel call's exactly; a call whose key differs (another length), and any third pass, run
+    the kernel; the dense reference still holds for the reused result (<= 1e-5)."""
+    from paddletune.kernels.attention import ReuseOutputs
+
+    ops_ = kernels.cpu_ops()
+    calls = {"fwd": 0}
+    fwd = ops_.pt_flash_attn
+    monkeypatch.setattr(ops_, "pt_flash_attn", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(*a))
+    scale = 1 / np.sqrt(16)
+    causal = paddle.to_tensor(np.triu(np.ones((70, 70), bool), 1)[None, None])
+    fresh = run(lambda a, b, c: kernels.blocked_attention(a, b, c, scale, causal=True), *qkv(1, 4, 2, 70, 70, 16, 3), 3)
+    assert calls["fwd"] == 1
+    slot = ReuseOutputs()
+    with slot:   # pass 1: two calls recorded
+        kernels.blocked_attention(*qkv(1, 4, 2, 70, 70, 16, 3), scale, causal=True)
+        kernels.blocked_attention(*qkv(1, 4, 2, 33, 33, 16, 4), scale, causal=True)
+    assert calls["fwd"] == 3
+    with slot:   # pass 2: the first call reuses, the second (other length) computes
+        got = check(*qkv(1, 4, 2, 70, 70, 16, 3),
+                    lambda a, b, c: kernels.blocked_attention(a, b, c, scale, causal=True), causal, scale, seed=3)
+        assert calls["fwd"] == 3
+        kernels.blocked_attention(*qkv(1, 4, 2, 40, 40, 16, 4), scale, causal=True)
+        assert calls["fwd"] == 4
+    for g, f in zip(got, fresh):
+        np.testing.assert_array_equal(g, f)
+    with slot:   # pass 3: the records were handed over in pass 2
+        kernels.blocked_attention(*qkv(1, 4, 2, 70, 70, 16, 3), scale, causal=True)
+    assert calls["fwd"] == 5 and slot.records == []

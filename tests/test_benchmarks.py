@@ -20,3 +20,9 @@ def test_pipeline_recompute_benchmark_smoke():
     r = run_script([os.path.join(ROOT, "benchmarks", "pipeline_recompute.py"), "--smoke", "--steps", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| core_attn |" in r.stdout and "1F1B bubble" in r.stdout
+
+
+def test_recompute_ab_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "recompute_ab.py"), "--smoke"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(f"| 32 | {m} |" in r.stdout for m in ("off", "on, rerun", "on, reuse")), r.stdout

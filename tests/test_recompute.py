@@ -110,3 +110,63 @@ def test_recompute_attention_granularities_in_every_family(monkeypatch, kind):
         assert calls == expect, granularity
         assert set(got) == set(base)
         assert max(rel_err(got[n_], base[n_]) for n_ in base) <= 1e-6, granularity
+
+
+def _kernel_run(monkeypatch, recompute, granularity, reuse, mask):
+    """(kernel forward calls, loss, gradients) of one loss on the tiny Llama without dropout (the
+    CPU column's blocked kernel takes every attention call)."""
+    from paddletune import kernels
+    from paddletune.kernels import attention as kattn
+
+    ops_ = kernels.cpu_ops()
+    assert ops_ is not None, "the CPU kernels must build on a CPU test machine"
+    calls = {"fwd": 0}
+    fwd = ops_.pt_flash_attn
+    monkeypatch.setattr(ops_, "pt_flash_attn", lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or fwd(*a))
+    monkeypatch.setattr(kattn.ReuseOutputs, "enabled", reuse)
+    slots, init = [], kattn.ReuseOutputs.__init__
+    monkeypatch.setattr(kattn.ReuseOutputs, "__init__", lambda self: init(self) or slots.append(self))
+    conf = get_spec("llama").tiny_config
+    model = build_model(conf, seed=0)
+    model.train()
+    model.recompute, model.recompute_granularity = recompute, granularity
+    x = np.random.default_rng(0).integers(3, 500, (2, 12))
+    loss = lm_loss(model, x, x, attention_mask=mask).loss
+    if recompute and reuse:   # between forward and backward each block's slot holds out and lse only
+        D = conf["hidden_size"] // conf["num_attention_heads"]
+        assert len(slots) == conf["num_hidden_layers"]
+        for slot in slots:
+            (key, (out, lse)), = slot.records
+            assert out.shape == [2, 12, conf["num_attention_heads"] * D]
+            assert lse.shape == [2, conf["num_attention_heads"], 12]
+    loss.backward()
+    assert all(slot.records == [] and slot.passes == 2 for slot in slots)   # handed over, let go
+    monkeypatch.undo()
+    assert kattn._STATE.get("reuse") is None   # no region left open
+    return calls["fwd"], float(loss), {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="CUDA build: the CPU kernels are off by design")
+@pytest.mark.parametrize("granularity", ["full", "full_attn"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_recompute_reuses_the_attention_kernel_forward(monkeypatch, granularity, padded):
+    """Recomputed regions hand the kernel's (out, lse) from the forward to the pass run again in
+    backward (kernels.attention.ReuseOutputs): the kernel forward runs once per block, as without
+    recompute (twice when the kernel runs again), and loss and every gradient equal the run that
+    runs the kernel again exactly, and the recompute-off run to 1e-6 (causal, and left-padded
+    rows through the kernel's key window). Between forward and backward each block's slot holds
+    one (out [B, S, N*D], lse [B, N, S]); after backward none holds anything."""
+    mask = np.ones((2, 12), np.int64)
+    if padded:
+        mask[1, :5] = 0
+    n = get_spec("llama").tiny_config["num_hidden_layers"]
+    fwd_off, loss_off, off = _kernel_run(monkeypatch, False, granularity, True, mask)
+    fwd_again, loss_again, again = _kernel_run(monkeypatch, True, granularity, False, mask)
+    fwd_reuse, loss_reuse, reuse = _kernel_run(monkeypatch, True, granularity, True, mask)
+    assert (fwd_off, fwd_again, fwd_reuse) == (n, 2 * n, n)
+    assert loss_reuse == loss_again
+    assert set(reuse) == set(again) == set(off)
+    for name in off:
+        np.testing.assert_array_equal(reuse[name], again[name], err_msg=name)
+    assert abs(loss_reuse - loss_off) <= 1e-6 * abs(loss_off)
+    assert max(rel_err(reuse[k], off[k]) for k in off) <= 1e-6

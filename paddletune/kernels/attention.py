@@ -14,6 +14,12 @@ see padding_window): the same attention as a [B, 1, 1, T] padding mask, without 
 Backward: the kernel recomputes score blocks from the saved per-row logsumexp [B, N, S], so a
 layer keeps q, k, v, out and lse for it (all O(S)). Returns None when the kernels are off or the
 inputs are not float32 CPU tensors (the caller then runs the dense path).
+
+Recompute (ReuseOutputs): a region recomputed in backward (a whole decoder layer) runs this
+forward twice on the same q, k, v. Inside `with slot:` the first pass keeps each call's (out,
+lse) and the second pass takes them instead of running the kernel forward again: the same
+values (the second pass reproduces q, k, v exactly), one kernel forward less per layer per step,
+for B*S*N*(D+1) floats held per layer between forward and backward.
 """
 import numpy as np
 
@@ -21,9 +27,10 @@ import numpy as np
 class _Masks:
     """The non-differentiable inputs, kept out of PyLayer's tensor arguments."""
 
-    def __init__(self, mask, starts, window):
+    def __init__(self, mask, starts, window, given=None, keep=None):
         import paddle
 
+        self.given, self.keep = given, keep   # ReuseOutputs: (out, lse) to use / a list to append to
         self.use = (mask is not None, starts is not None, window is not None)
         dummy_b, dummy_i = paddle.zeros([1], "bool"), paddle.zeros([1], "int32")
         self.mask = mask if mask is not None else dummy_b
@@ -39,8 +46,13 @@ def _layer():
     class BlockedAttention(paddle.autograd.PyLayer):
         @staticmethod
         def forward(ctx, q, k, v, masks, scale, causal):
-            out, lse = cpu_ops().pt_flash_attn(q, k, v, masks.mask, masks.starts, masks.window, scale, causal,
-                                               *masks.use)
+            if masks.given is not None:   # the recomputed pass: the first pass's results
+                out, lse = (t.detach() for t in masks.given)
+            else:
+                out, lse = cpu_ops().pt_flash_attn(q, k, v, masks.mask, masks.starts, masks.window, scale,
+                                                   causal, *masks.use)
+                if masks.keep is not None:
+                    masks.keep.append((out.detach(), lse))
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.args = (masks, scale, causal)
             ctx.want = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)
@@ -58,6 +70,38 @@ def _layer():
 
 
 _STATE = {}
+
+
+class ReuseOutputs:
+    """One recompute region's kernel results: `with slot:` around the region's function, which
+    runs twice (forward, then again in backward). Pass 1 records (out, lse) per kernel call in
+    call order; pass 2 hands call i record i (when its key -- shapes, scale, masks used --
+    matches, else it computes) and drops the records. Any later pass computes as usual."""
+
+    enabled = True   # False: every pass runs the kernel (the A/B in benchmarks/recompute_ab.py)
+
+    def __init__(self):
+        self.records, self.passes, self.at, self.prev = [], 0, 0, None
+
+    def __enter__(self):
+        self.passes, self.at, self.prev = self.passes + 1, 0, _STATE.get("reuse")
+        _STATE["reuse"] = self if ReuseOutputs.enabled else None
+        return self
+
+    def __exit__(self, *exc):
+        _STATE["reuse"] = self.prev
+        if self.passes > 1:
+            self.records = []
+
+    def masks(self, key, mask, starts, window):
+        """_Masks for the next kernel call of this pass, carrying the record to use or keep."""
+        if self.passes == 1:
+            self.records.append([key])
+            return _Masks(mask, starts, window, keep=self.records[-1])
+        rec = self.records[self.at] if self.at < len(self.records) else None
+        self.at += 1
+        given = rec[1] if rec is not None and rec[0] == key and len(rec) == 2 else None
+        return _Masks(mask, starts, window, given=given)
 
 
 def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None, window=None):
@@ -79,7 +123,14 @@ def blocked_attention(q, k, v, scale, causal=False, mask=None, starts=None, wind
     if "layer" not in _STATE:
         _STATE["layer"] = _layer()
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-    return _STATE["layer"].apply(q, k, v, _Masks(mask, starts, window), float(scale), bool(causal))
+    reuse = _STATE.get("reuse")
+    if reuse is not None:
+        key = (tuple(q.shape), tuple(k.shape), float(scale), bool(causal), mask is not None, starts is not None,
+               window is not None)
+        masks = reuse.masks(key, mask, starts, window)
+    else:
+        masks = _Masks(mask, starts, window)
+    return _STATE["layer"].apply(q, k, v, masks, float(scale), bool(causal))
 
 
 def example_starts(runs, S):

@@ -162,7 +162,7 @@ class CausalLM(nn.Layer):
             if mode == "full" and not h.stop_gradient:
                 from paddle.distributed.fleet.utils import recompute
 
-                h = recompute(layer, h, ctx, use_reentrant=False)
+                h = recompute(_reusing_attention(layer), h, ctx, use_reentrant=False)
             else:
                 h = layer(h, ctx)
         return h
@@ -202,6 +202,19 @@ def _recompute_when_asked(forward):
         if ctx.recompute == "full_attn" and not x.stop_gradient:
             from paddle.distributed.fleet.utils import recompute
 
-            return recompute(forward, x, ctx, use_reentrant=False)
+            return recompute(_reusing_attention(forward), x, ctx, use_reentrant=False)
         return forward(x, ctx)
     return wrapped
+
+
+def _reusing_attention(fn):
+    """fn for one recompute call: its CPU attention kernel calls keep (out, lse) in the forward
+    and reuse them when paddle's recompute runs fn again in backward (kernels.ReuseOutputs)."""
+    from ..kernels.attention import ReuseOutputs
+
+    slot = ReuseOutputs()
+
+    def run(*args):
+        with slot:
+            return fn(*args)
+    return run
