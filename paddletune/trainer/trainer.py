@@ -115,7 +115,7 @@ class Trainer:
         self.precision.decorate(model)
         self.optimizer = AdamW(self.par.optimizer_params(self.trainable), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
-                               offload=self.par.offload,
+                               offload=self.par.offload, defer_state=self.par.defers_state,
                                **({"multi_precision": True} if self.precision.o2 else {}))
         # sharding stage 3: non-owned values dropped; hybrid data parallel: fleet's optimizer
         self.par.after_setup(self.trainable, self.optimizer)
