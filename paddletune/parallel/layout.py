@@ -22,8 +22,12 @@ Who sums the data-parallel gradients, by layout:
   DygraphShardingOptimizer (data.FleetDataParallel with sharding): reduce to the owner, dp
   all-reduce of the owned, our update on the owned tensors, the owners' broadcasts; fleet's
   partition becomes the Sharding's owner map (checkpoints: each owner writes its tensors);
-- sharding stages 2-3, and any stage under PP: ours (sharding.py; PP x stage 1 through
-  Topology.all_reduce_grads); issue 30 moves stages 2-3 to group_sharded_parallel;
+- sharding stage 2 without TP / PP: paddle's group_sharded_parallel("os_g")
+  (group_sharded.GroupShardedStage2 as `hybrid`): the trainer's forward goes through its layer
+  wrapper (forward_model), its hooks reduce each gradient to the owner during backward, its
+  step scales, all-reduces over dp, runs our update and broadcasts; its clear_grad zeroes;
+- sharding stage 3, TP x stage 2, and any stage under PP: ours (sharding.py; PP x stage 1
+  through Topology.all_reduce_grads); issue 30 moves stage 3 to group_sharded_parallel;
 - Mixture-of-Experts on several data ranks (expert.py's groups: expert-data groups are not
   fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
@@ -88,8 +92,10 @@ class Parallel:
 
             par.dp = DataReducer.for_model(model, topo, trainable)
         from .data import FleetDataParallel
+        from .group_sharded import GroupShardedStage2
 
-        par.hybrid = FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep)
+        par.hybrid = (GroupShardedStage2.for_layout(model, topo, par.shard)
+                      or FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep))
         return par, trainable
 
     # ---------------------------------------------------------------- tensors
@@ -114,6 +120,11 @@ class Parallel:
 
     def owns(self, name):
         return self.shard is None or self.shard.owns(name)
+
+    @property
+    def forward_model(self):
+        """What the trainer's forward calls: paddle's sharding wrapper when there is one."""
+        return getattr(self.hybrid, "model", None) or self.model
 
     @property
     def defers_state(self):
@@ -215,6 +226,15 @@ class Parallel:
         if self.hybrid is None:
             return update(grads)
         return self.hybrid.step(optimizer, named, grads, update)
+
+    def clear_grads(self, trainable):
+        """After a step: gradients released, or paddle's stage-2 clear_grad (it zeroes the owned
+        gradients in its buffer; releasing them would cut them off it)."""
+        if getattr(self.hybrid, "opt", None) is not None:
+            self.hybrid.opt.clear_grad()
+            return
+        for p in trainable.values():
+            p.clear_gradient(False)
 
     def grad_norm(self, named, grads):
         """The whole model's gradient norm: TP slices summed over their ranks (replicated heads

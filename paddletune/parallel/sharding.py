@@ -14,7 +14,10 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             partition: greedy by numel, largest first; parallel/data.py FleetDataParallel,
             `on_fleet`). Under PP the code below runs it: gradients summed over the data ranks as
             without sharding; each owner updates its tensors and broadcasts them
-    stage2  gradients as well: after the step's backward the gradients are reduced to their
+    stage2  gradients as well. Without TP / PP this is paddle's group_sharded_parallel("os_g")
+            (group_sharded.py: reduced to the owner in buckets during backward, a non-owner
+            drops each at once). Under TP / PP the code below runs it: after the step's
+            backward the gradients are reduced to their
             owner only (dist.reduce over the sharding group, then an all-reduce over the pure
             data-parallel replicas of that owner), and every rank drops the gradients of the
             tensors it does not own right away (during backward a rank holds the whole
@@ -34,8 +37,8 @@ under stage3 holds only their two values between steps.
 The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
-Stage 1 is fleet's (above); stages 2-3 and PP x sharding are still this module's (issue 30:
-group_sharded_parallel for stages 2-3). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
+Stage 1 and (without TP) stage 2 are paddle's (above); stage 3, TP x stage 2 and PP x sharding
+are still this module's (issue 30). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
@@ -428,13 +431,20 @@ OFFLOAD_STAGE1 = ("sharding 'stage1 offload': paddle's stage-1 sharding optimize
                   "1/S per rank) or use stage2 / stage3 with offload")
 
 
-def on_fleet(stage, topo, model=None):
-    """Whether this stage runs on fleet's sharding optimizer here: stage 1 without pipeline
-    parallel and without a Mixture-of-Experts layout (expert.py's groups), under fleet.init
-    (more than one process). Stages 2-3 and those layouts run this module's own code (issue 30
-    moves stages 2-3; the pipeline's sharding goes with the pipeline's move to fleet)."""
-    return (stage == 1 and topo.hcg is not None and topo.pp_degree == 1 and topo.ep_degree == 1
-            and getattr(model, "expert_parallel", None) is None)
+def on_fleet(stage, topo, model=None, offload=False):
+    """Whether this stage runs on paddle's sharding engine here, under fleet.init (more than one
+    process), without pipeline parallel and without a Mixture-of-Experts layout (expert.py's
+    groups): stage 1 (fleet's DygraphShardingOptimizer, data.py), stage 2 without tensor
+    parallel (group_sharded_parallel "os_g", group_sharded.py: its hooks take the layer's own
+    parameters, a DTensor's local shard is not one) and not with offload on a GPU (paddle's
+    offload step updates its own host copies, which would bypass the trainer's update; there the
+    host-memory AdamW below runs). Otherwise this module's own code (stage 3: issue 30; the
+    pipeline's sharding goes with the pipeline's move to fleet)."""
+    if not (topo.hcg is not None and topo.pp_degree == 1 and topo.ep_degree == 1
+            and getattr(model, "expert_parallel", None) is None):
+        return False
+    gpu_offload = offload and paddle.is_compiled_with_cuda()
+    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and not gpu_offload)
 
 
 def check_offload(args, degrees, ep=1):
@@ -459,7 +469,7 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
-    fleet = on_fleet(stage, topo, model)
+    fleet = on_fleet(stage, topo, model, offload)
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)
     shard = Sharding(topo, stage, named, local, fleet=fleet)
