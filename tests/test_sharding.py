@@ -7,7 +7,11 @@ is the same function (tests/tp_cases.py:train_case) in this process at the same 
 Compared: 5-step losses, grad norms, eval loss / accuracy, trained tensors (<= 1e-4 of the
 update). Asserted per rank: disjoint data shares that together make the global batch, AdamW
 state over the owned tensors only (~1/S), gradients held after the reduction ~1/S (stage2+),
-resident trainable values between steps ~1/S (stage3).
+resident trainable values between steps ~1/S (stage3); which engine updates (stage 1: fleet's
+HybridParallelOptimizer -> DygraphShardingOptimizer; stage 2 without TP: group_sharded_parallel's
+GroupShardedStage2 -> GroupShardedOptimizerStage2) and what crossed the sharding group (the
+collective recorder, tests/sharding_cases.py: per-tensor reduce + broadcast for stage 1, reduces
+during every backward for stage 2, float32, no floating-point all-gather).
 
 Resume across layouts: a checkpoint written at step 3 under TP=2 resumes under DP=2, PP=2,
 sharding stage2 (2 ranks) and in one process, one written under stage 1 (fleet's partition) or
@@ -33,6 +37,7 @@ TWO = {
     "stage1_offload": {"sharding": "stage1 offload"},
     "stage2_nf4_lora": {"sharding": "stage2", "method": "qlora", "quant": "nf4", "lr": 2e-2},
     "stage3_rdrop": {"sharding": "stage3", "rdrop": True},   # two forward passes per micro-batch
+    "stage2_rdrop": {"sharding": "stage2", "rdrop": True},   # (paddle's hooks: one reduce per backward)
 }
 # on 4 ranks
 FOUR = {
@@ -136,8 +141,8 @@ def _check_split(ranks, single, kw):
     from paddletune.parallel.topology import coordinates
 
     stage = int(kw["sharding"].split()[0][-1])
+    want = None if (stage == 2 and kw.get("tp", 1) > 1) or kw.get("pp", 1) > 1 else ENGINE[stage]
     if kw.get("pp", 1) == 1:
-        want = None if stage == 2 and kw.get("tp", 1) > 1 else ENGINE[stage]
         assert all(r["optimizer_chain"] == want for r in ranks), ranks[0]["optimizer_chain"]
     if stage == 1:   # fleet's V1 per step: a reduce to the owner and the owner's broadcast per tensor
         for r in ranks:
@@ -147,6 +152,14 @@ def _check_split(ranks, single, kw):
                 assert wire[op]["numel"] == steps * r["trainable_numel"], (op, wire)
                 assert wire[op]["dtypes"] == ["float32"], wire
             # (all_gather carries only the trainer's JSON bookkeeping: integers, no weights)
+            assert not any("float" in d for d in wire.get("all_gather", {}).get("dtypes", [])), wire
+    if want == ENGINE[2]:   # paddle's stage 2: during each backward (2 micro-batches a step) every
+        # gradient goes to its owner by reduce, in float32 buckets (padded to paddle's alignment)
+        for r in ranks:
+            wire, backwards = r["sharding_wire"], 2 * len(r["losses"])
+            assert wire["reduce"]["calls"] % backwards == 0, wire
+            assert wire["reduce"]["numel"] >= backwards * r["trainable_numel"], wire
+            assert wire["reduce"]["dtypes"] == wire["broadcast"]["dtypes"] == ["float32"], wire
             assert not any("float" in d for d in wire.get("all_gather", {}).get("dtypes", [])), wire
     coords = [coordinates(r["rank"], r["degrees"]) for r in ranks]
     S = ranks[0]["degrees"]["sharding"]
