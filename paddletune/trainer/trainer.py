@@ -115,8 +115,9 @@ class Trainer:
         self.precision.decorate(model)
         self.optimizer = AdamW(self.par.optimizer_params(self.trainable), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
-                               offload=self.par.offload, defer_state=self.par.defers_state,
-                               **({"multi_precision": True} if self.precision.o2 else {}))
+                               offload=self.par.offload,
+                               **({"multi_precision": True} if self.precision.o2 else {}),
+                               **({"defer_state": True} if self.par.defers_state else {}))
         # sharding stage 3: non-owned values dropped; hybrid data parallel: fleet's optimizer
         self.par.after_setup(self.trainable, self.optimizer)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
