@@ -124,7 +124,8 @@ class Parallel:
     @property
     def forward_model(self):
         """What the trainer's forward calls: paddle's sharding wrapper when there is one."""
-        return getattr(self.hybrid, "model", None) or self.model
+        wrapper = getattr(self.hybrid, "model", None)
+        return self.model if wrapper is None else wrapper
 
     @property
     def defers_state(self):
