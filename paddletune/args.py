@@ -250,7 +250,7 @@ class TrainingArguments:
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
     virtual_pp_degree: int = F(1, "virtual pipeline stages per rank (interleaved 1F1B)", "refused", "the interleaved schedule is not built; the non-interleaved 1F1B runs with 1")
-    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags (split_param, enable_stage1_overlap, ...)", "no_effect", "fleet's overlap / fusion switches; sharding here sends one flat tensor per owner, nothing to tune")
+    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags (split_param, enable_stage1_overlap, ...)", "no_effect", "stage 1 runs fleet's DygraphShardingOptimizer V1 without fusion / overlap (split_param's V2 does not yet equal one process on gloo); stages 2-3 send one flat tensor per owner")
     export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")

@@ -95,3 +95,54 @@ def test_nothing_is_patched_on_a_cuda_build(monkeypatch):
     with cpu_compat.fleet_groups(4):
         assert dist.new_group is before[2]
     assert (mp_ops._c_identity, mp_ops._mp_allreduce, dist.new_group) == before
+
+
+# ---------------------------------------------------------------- group_sharded_parallel (stage 2 / 3)
+
+def test_group_sharded_shim_pins_paddles_device_gates():
+    """The three device gates, the device-id parse and the convert_gpu path shim 4 answers are
+    still in paddle's code; if one goes (paddle learned CPU), the shim's part for it goes too."""
+    from paddle.distributed.fleet.meta_parallel.sharding import (group_sharded_optimizer_stage2 as opt2,
+                                                                 group_sharded_stage3 as s3,
+                                                                 group_sharded_storage as storage)
+    from paddle.distributed.sharding import group_sharded as entry
+
+    src = inspect.getsource(entry.group_sharded_parallel)
+    assert "paddle.device.get_all_custom_device_type()" in src and "only support gpu, xpu" in src
+    src = inspect.getsource(opt2.GroupShardedOptimizerStage2.__init__)
+    assert "core.get_all_custom_device_type()" in src
+    assert 'int(paddle.get_device().split(":")[1])' in src
+    assert "core.get_all_custom_device_type()" in inspect.getsource(s3.GroupShardedStage3.__init__)
+    assert list(inspect.signature(storage.ParamStorage.add_rank_params).parameters) == [
+        "self", "trainable_params", "param2align", "convert_gpu"]
+    assert "convert_gpu" in inspect.getsource(storage.ParamStorage.add_rank_params)   # handed on to:
+    src = inspect.getsource(storage.ParamStorage._add_param_as_view)
+    assert "if convert_gpu:" in src and "param._clear_data()" in src
+    for name in cpu_compat.GROUP_SHARDED_GATES:   # the gated callers' files are where they were
+        assert name[0] in {"group_sharded.py", "group_sharded_optimizer_stage2.py", "group_sharded_stage3.py"}
+    assert {f[0] for f in cpu_compat.GROUP_SHARDED_GATES} == {
+        entry.__file__.rsplit("/", 1)[-1], opt2.__file__.rsplit("/", 1)[-1], s3.__file__.rsplit("/", 1)[-1]}
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_group_sharded_still_refuses_cpu_without_the_shim():
+    """Without shim 4 paddle refuses the CPU device at its entry (so the shim is still needed);
+    with it, only the gated callers see "cpu" and everything else sees paddle's answer."""
+    from paddle.distributed.sharding import group_sharded_parallel
+
+    model = paddle.nn.Linear(4, 4)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    if not cpu_compat.GROUP_SHARDED_ORIGINALS:
+        with pytest.raises(AssertionError, match="only support gpu, xpu and custom_device"):
+            group_sharded_parallel(model, opt, level="os_g")
+    assert cpu_compat.install_group_sharded() is True
+    assert "cpu" not in paddle.device.get_all_custom_device_type()   # not for other callers
+    assert "cpu" not in paddle.base.core.get_all_custom_device_type()
+    assert paddle.get_device() == cpu_compat.GROUP_SHARDED_ORIGINALS["get_device"]()
+
+
+def test_group_sharded_shim_does_nothing_on_a_cuda_build(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    before = (paddle.device.get_all_custom_device_type, paddle.get_device)
+    assert cpu_compat.install_group_sharded() is False
+    assert (paddle.device.get_all_custom_device_type, paddle.get_device) == before

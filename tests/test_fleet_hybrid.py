@@ -99,7 +99,8 @@ def test_fp16_scaler_over_fleets_optimizer(runs):
 
 
 def test_which_layouts_reduce_through_fleets_optimizer():
-    """FleetDataParallel applies to dp > 1 with TP or PP only: pure DP is paddle.DataParallel's,
+    """FleetDataParallel applies to dp > 1 with TP or PP, and to sharding stage 1 without PP
+    (fleet's DygraphShardingOptimizer); pure DP is paddle.DataParallel's, stages 2-3, PP x
     sharding and expert-parallel groups stay paddletune's (layout.py docstring)."""
     import types
 
@@ -116,6 +117,17 @@ def test_which_layouts_reduce_through_fleets_optimizer():
     assert FleetDataParallel.for_layout(topo(dp=2), None, None, None, None) is None          # pure DP
     assert FleetDataParallel.for_layout(topo(tp=2), on, None, None, None) is None            # no DP
     assert FleetDataParallel.for_layout(topo(dp=2, tp=2, sharding=2), on, None, on, None) is None
+    # sharding stage 1 on fleet (sharding.on_fleet): its optimizer reduces over sharding x dp
+    stage1 = types.SimpleNamespace(fleet=True)
+    hdp = FleetDataParallel.for_layout(topo(dp=2, tp=2, sharding=2), on, None, stage1, None)
+    assert (hdp.degree, hdp.sharding) == (4, True)
+    assert FleetDataParallel.for_layout(topo(sharding=2), None, None, stage1, None).degree == 2
+    from paddletune.parallel.sharding import on_fleet
+
+    assert on_fleet(1, topo(dp=2, sharding=2)) and on_fleet(1, topo(tp=2, sharding=2))
+    assert on_fleet(2, topo(dp=2, sharding=2))   # group_sharded_parallel's stage 2 (group_sharded.py)
+    assert not on_fleet(2, topo(tp=2, sharding=2)) and not on_fleet(3, topo(sharding=2))   # ours, for now
+    assert not on_fleet(1, topo(pp=2, sharding=2))   # PP x sharding: the pipeline's path
     assert FleetDataParallel.for_layout(topo(dp=2, tp=2), on, None, None, on) is None        # experts
     alone = topo(dp=2, tp=2)
     alone.hcg = None

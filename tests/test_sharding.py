@@ -7,10 +7,15 @@ is the same function (tests/tp_cases.py:train_case) in this process at the same 
 Compared: 5-step losses, grad norms, eval loss / accuracy, trained tensors (<= 1e-4 of the
 update). Asserted per rank: disjoint data shares that together make the global batch, AdamW
 state over the owned tensors only (~1/S), gradients held after the reduction ~1/S (stage2+),
-resident trainable values between steps ~1/S (stage3).
+resident trainable values between steps ~1/S (stage3); which engine updates (stage 1: fleet's
+HybridParallelOptimizer -> DygraphShardingOptimizer; stage 2 without TP: group_sharded_parallel's
+GroupShardedStage2 -> GroupShardedOptimizerStage2) and what crossed the sharding group (the
+collective recorder, tests/sharding_cases.py: per-tensor reduce + broadcast for stage 1, reduces
+during every backward for stage 2, float32, no floating-point all-gather).
 
 Resume across layouts: a checkpoint written at step 3 under TP=2 resumes under DP=2, PP=2,
-sharding stage2 (2 ranks) and in one process; steps 4-5 equal the uninterrupted one-process run.
+sharding stage2 (2 ranks) and in one process, one written under stage 1 (fleet's partition) or
+stage 3 resumes in one process; steps 4-5 equal the uninterrupted one-process run.
 """
 import os
 import sys
@@ -32,12 +37,14 @@ TWO = {
     "stage1_offload": {"sharding": "stage1 offload"},
     "stage2_nf4_lora": {"sharding": "stage2", "method": "qlora", "quant": "nf4", "lr": 2e-2},
     "stage3_rdrop": {"sharding": "stage3", "rdrop": True},   # two forward passes per micro-batch
+    "stage2_rdrop": {"sharding": "stage2", "rdrop": True},   # (paddle's hooks: one reduce per backward)
 }
 # on 4 ranks
 FOUR = {
     "dp2_stage1": {"sharding": "stage1", "sharding_degree": 2},
     "dp2_stage2": {"sharding": "stage2", "sharding_degree": 2},
     "dp2_stage3": {"sharding": "stage3", "sharding_degree": 2},
+    "tp2_stage1": {"sharding": "stage1", "tp": 2, "micro": 2},
     "tp2_stage2": {"sharding": "stage2", "tp": 2, "micro": 2},
     "tp2_stage3_lora": {"sharding": "stage3", "tp": 2, "micro": 2, "method": "lora", "lr": 2e-2},
     "pp2_stage3": {"sharding": "stage3", "pp": 2, "micro": 2},
@@ -51,7 +58,7 @@ RESUME = {"tp2_to_dp2": ("tp2_save", {"micro": 2}), "tp2_to_pp2": ("tp2_save", {
           "stage2_to_pp2": ("stage2_save", {"micro": 4, "pp": 2})}
 RESUME4 = {"stage3_to_dp2_stage2": ("stage3_save", {"micro": 1, "sharding": "stage2", "sharding_degree": 2}),
            "tp2_to_tp2_stage1": ("tp2_save", {"micro": 2, "sharding": "stage1", "tp": 2})}   # on 4 ranks
-RESUME_ONE = ("tp2_save", "stage3_save")   # resumed in this process too
+RESUME_ONE = ("tp2_save", "stage3_save", "stage1_save")   # resumed in this process too
 
 
 def ref_of(kw):
@@ -70,10 +77,11 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("sharding")
     ck = hf_checkpoint(base / "ck", "llama", seed=3, num_hidden_layers=4)[0]
-    cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 2)))
+    cases = [(n, "sharding_cases:sharding_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 2)))
              for n, kw in TWO.items()]
     saves = {"tp2_save": {"tp": 2, "micro": 4}, "stage3_save": {"sharding": "stage3", "micro": 2},
-             "stage2_save": {"sharding": "stage2", "micro": 2}}
+             "stage2_save": {"sharding": "stage2", "micro": 2},
+             "stage1_save": {"sharding": "stage1", "micro": 2}}   # fleet's partition decides the writers
     cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), save_steps=3))
               for n, kw in saves.items()]
     cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
@@ -84,7 +92,7 @@ def runs(tmp_path_factory):
               ("drop_resumed", "tp_cases:train_case", dict(drop, out_dir=str(base / "drop_res"),
                                                            resume=str(base / "drop_full" / "checkpoint-3")))]
     two = launch_cases(cases, base / "two", nproc=2, timeout=900)
-    cases = [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
+    cases = [(n, "sharding_cases:sharding_case", dict(kw, ckpt=ck, out_dir=str(base / n), micro=kw.get("micro", 1)))
              for n, kw in FOUR.items()]
     cases += [(n, "tp_cases:train_case", dict(kw, ckpt=ck, out_dir=str(base / n),
                                               resume=str(base / src / "checkpoint-3")))
@@ -121,11 +129,38 @@ def _compare(got_ranks, single, run_dir, single_dir):
     assert max(np.abs(got[k] - one[k]).max() for k in one) <= 1e-4 * update
 
 
+# which engine updates, per stage, layouts without pipeline parallel (tp_cases' optimizer_chain;
+# None: parallel/sharding.py's own): stage 1 fleet's, stage 2 group_sharded_parallel's (not under TP)
+ENGINE = {1: ["HybridParallelOptimizer", "DygraphShardingOptimizer", "AdamW"],
+          2: ["GroupShardedStage2", "GroupShardedOptimizerStage2", "AdamW"], 3: None}
+
+
 def _check_split(ranks, single, kw):
-    """Disjoint data per step; optimizer state / gradients / resident values ~1/S per rank."""
+    """Disjoint data per step; optimizer state / gradients / resident values ~1/S per rank;
+    the engine that runs the stage (fleet's sharding optimizer for stage 1)."""
     from paddletune.parallel.topology import coordinates
 
     stage = int(kw["sharding"].split()[0][-1])
+    want = None if (stage == 2 and kw.get("tp", 1) > 1) or kw.get("pp", 1) > 1 else ENGINE[stage]
+    if kw.get("pp", 1) == 1:
+        assert all(r["optimizer_chain"] == want for r in ranks), ranks[0]["optimizer_chain"]
+    if stage == 1:   # fleet's V1 per step: a reduce to the owner and the owner's broadcast per tensor
+        for r in ranks:
+            wire, steps = r["sharding_wire"], len(r["losses"])
+            for op in ("reduce", "broadcast"):
+                assert wire[op]["calls"] == steps * r["trainable_count"], (op, wire)
+                assert wire[op]["numel"] == steps * r["trainable_numel"], (op, wire)
+                assert wire[op]["dtypes"] == ["float32"], wire
+            # (all_gather carries only the trainer's JSON bookkeeping: integers, no weights)
+            assert not any("float" in d for d in wire.get("all_gather", {}).get("dtypes", [])), wire
+    if want == ENGINE[2]:   # paddle's stage 2: during each backward (2 micro-batches a step) every
+        # gradient goes to its owner by reduce, in float32 buckets (padded to paddle's alignment)
+        for r in ranks:
+            wire, backwards = r["sharding_wire"], 2 * len(r["losses"])
+            assert wire["reduce"]["calls"] % backwards == 0, wire
+            assert wire["reduce"]["numel"] >= backwards * r["trainable_numel"], wire
+            assert wire["reduce"]["dtypes"] == wire["broadcast"]["dtypes"] == ["float32"], wire
+            assert not any("float" in d for d in wire.get("all_gather", {}).get("dtypes", [])), wire
     coords = [coordinates(r["rank"], r["degrees"]) for r in ranks]
     S = ranks[0]["degrees"]["sharding"]
     data = [c["dp"] * S + c["sharding"] for c in coords]
@@ -150,8 +185,13 @@ def _check_split(ranks, single, kw):
                 assert sum(grads) == total and max(grads) <= 0.6 * total, grads
             else:
                 assert grads == [total] * S
-            # no rank keeps the backward's gradients of the tensors it does not own
-            assert all(held[i]["shard"]["grad_numel_left"] == 0 for i in group)
+            left = [held[i]["shard"]["grad_numel_left"] for i in group]
+            if stage >= 2:   # no rank keeps the backward's gradients of the tensors it does not own
+                assert left == [0] * S, left
+            else:   # fleet's DygraphShardingOptimizer (V1) holds every gradient through its step:
+                # the others' (unreduced) ones are what this rank does not own (was: 0, when
+                # stage 1 was ours and dropped them after an all-reduce)
+                assert [x + o // 2 for x, o in zip(left, opt)] == [total] * S, (left, opt)
             res = [held[i]["resident"] for i in group]
             if stage >= 3:
                 assert sum(res) == total and max(res) <= 0.6 * total, res
@@ -205,9 +245,9 @@ def test_saving_ranks_write_their_own_tensors(runs):
     import json
 
     base, got, ref = runs
-    for run in ("tp2_save", "stage2_save", "stage3_save"):
+    for run in ("tp2_save", "stage2_save", "stage3_save", "stage1_save"):
         np.testing.assert_allclose(got[run][0]["losses"], ref["sft"]["losses"], rtol=1e-5)
-    for run in ("stage2_save", "stage3_save"):
+    for run in ("stage2_save", "stage3_save", "stage1_save"):
         index = json.load(open(base / run / "checkpoint-3" / "shards.json"))
         for kind in ("model", "optimizer"):
             files = {p["file"] for e in index[kind].values() for p in e["pieces"]}
@@ -251,6 +291,26 @@ def test_partition_stage_names_and_argument_checks(monkeypatch):
     A.build(dict(base, sharding="stage2", sharding_parallel_config="split_param enable_stage1_overlap"),
             warn=warned.append)
     assert any("sharding_parallel_config" in w and "no effect" in w for w in warned)
+
+
+def test_stage1_offload_is_refused_on_a_gpu_build_only(monkeypatch):
+    """'stage1 offload' on fleet's stage 1 (no pipeline): paddle's DygraphShardingOptimizer has
+    no offload, so a CUDA build stops in parallel.init naming the fix; stage2 / stage3 offload
+    (this repository's host-memory AdamW), PP x stage 1 and a CPU build go on."""
+    import paddle
+
+    from paddletune.parallel.sharding import check_offload
+
+    args = lambda s: type("A", (), {"sharding": s})   # noqa: E731
+    deg = {"dp": 1, "pp": 1, "sharding": 2, "tp": 1}
+    check_offload(args("stage1 offload"), deg)   # CPU build: warned later, not refused
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    with pytest.raises(ValueError, match="sharding 'stage1 offload'.*has no offload.*drop 'offload'"):
+        check_offload(args("stage1 offload"), deg)
+    check_offload(args("stage2 offload"), deg)
+    check_offload(args("stage1 offload"), dict(deg, pp=2))
+    check_offload(args("stage1 offload"), dict(deg, sharding=1))
+    check_offload(args("stage1"), deg)
 
 
 def test_offloaded_adamw_equals_the_device_update():

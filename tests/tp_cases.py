@@ -125,7 +125,10 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "engine_reshards": dict(rec.calls), "rank": topo.rank,
               "trace": pipe.trace if pipe is not None and trace else None,
               "stage": topo.pp_rank, "held": held, "degrees": topo.degrees,
-              "trainable_numel": sum(paddle_numel(p) for p in trainer.trainable.values())}
+              # which engine updates: fleet's wrappers down to paddle's optimizer (None: ours)
+              "optimizer_chain": trainer.par.hybrid.chain if trainer.par.hybrid is not None else None,
+              "trainable_numel": sum(paddle_numel(p) for p in trainer.trainable.values()),
+              "trainable_count": len(trainer.trainable)}
     state = _gather_trainable(model, trainer, tpg)
     if topo.tp_rank == 0 and topo.data_rank == 0:   # one writer per pipeline stage
         os.makedirs(out_dir, exist_ok=True)

@@ -39,6 +39,10 @@ def init(training_args=None):
                else {"dp": world, "pp": 1, "sharding": 1, "tp": 1})
     ep = expert_degree_from_args(training_args, degrees) if training_args is not None else 1
     groups, hcg = {}, None
+    if training_args is not None:
+        from .sharding import check_offload
+
+        check_offload(training_args, degrees, ep)   # before fleet starts (a GPU-only refusal)
     if world > 1:
         from . import engine, recorder
 

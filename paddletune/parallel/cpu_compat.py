@@ -28,6 +28,17 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    backward. Callers that look them up as `mp_ops._c_identity` / `mp_ops._mp_allreduce` (paddle's
    mp_layers and parallel/tensor.py) run the shim. Nothing relaxed: same group-membership return,
    same op check (SUM only) as paddle's.
+4. `group_sharded_parallel` (sharding stage 2 "os_g" / stage 3 "p_g_os"): paddle refuses a CPU
+   device at three call sites (group_sharded.py `group_sharded_parallel`: device in gpu / xpu /
+   custom devices; group_sharded_optimizer_stage2.py and group_sharded_stage3.py `__init__`:
+   compiled with CUDA / XPU or a custom device), reads the device id as
+   `int(paddle.get_device().split(":")[1])` ("cpu" has no id) in GroupShardedOptimizerStage2's
+   `__init__`, and ParamStorage.add_rank_params(convert_gpu=True) moves each parameter to the
+   host (`_add_param_as_view`: `param.cpu()`, on CPU the tensor itself) and then
+   `_clear_data()`s it: "Tensor not initialized" on CPU. `install_group_sharded()` makes "cpu"
+   a custom device for those three callers only (the caller's file and function are checked),
+   gives that one caller "cpu:0", and passes convert_gpu=False (the copy into the storage buffer happens either way). Measured
+   (PARALLEL_NOTES.md): with these, stage 2 and 3 equal one process on gloo.
 """
 import contextlib
 import os
@@ -203,4 +214,54 @@ def install_mp_ops():
     if not MP_OPS_ORIGINALS:
         MP_OPS_ORIGINALS.update(_c_identity=mp_ops._c_identity, _mp_allreduce=mp_ops._mp_allreduce)
     mp_ops._c_identity, mp_ops._mp_allreduce = c_identity, mp_allreduce
+    return True
+
+
+# the callers (file, function) that may see "cpu" as an allowed device (shim 4)
+GROUP_SHARDED_GATES = {("group_sharded.py", "group_sharded_parallel"),
+                       ("group_sharded_optimizer_stage2.py", "__init__"),
+                       ("group_sharded_stage3.py", "__init__")}
+GROUP_SHARDED_ORIGINALS = {}
+
+
+def _caller_is(gates, depth=2):
+    import sys
+
+    code = sys._getframe(depth).f_code
+    return (os.path.basename(code.co_filename), code.co_name) in gates
+
+
+def install_group_sharded():
+    """Shim 4 on CPU builds (once per process); returns whether it is installed. Nothing is
+    patched on CUDA builds."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    if GROUP_SHARDED_ORIGINALS:
+        return True
+    from paddle.base import core
+    from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_storage as storage
+
+    originals = GROUP_SHARDED_ORIGINALS
+    originals.update(device_types=paddle.device.get_all_custom_device_type,
+                     core_device_types=core.get_all_custom_device_type, get_device=paddle.get_device,
+                     add_rank_params=storage.ParamStorage.add_rank_params)
+
+    def gate(original):
+        def device_types(*args, **kwargs):
+            found = original(*args, **kwargs)
+            return list(found) + ["cpu"] if _caller_is(GROUP_SHARDED_GATES) else found
+        return device_types
+
+    def get_device():
+        if _caller_is({("group_sharded_optimizer_stage2.py", "__init__")}):
+            return "cpu:0"
+        return originals["get_device"]()
+
+    def add_rank_params(self, trainable_params, param2align, convert_gpu=True):
+        return originals["add_rank_params"](self, trainable_params, param2align, False)
+
+    paddle.device.get_all_custom_device_type = gate(originals["device_types"])
+    core.get_all_custom_device_type = gate(originals["core_device_types"])
+    paddle.get_device = get_device
+    storage.ParamStorage.add_rank_params = add_rank_params
     return True

@@ -29,6 +29,14 @@ cannot show it is needed on this build. Not used here: expert parallel (each ran
 other experts: their groups are expert.py's) and sharding (sharding.py; issue 30 moves it to
 fleet's sharding optimizers).
 
+Sharding stage 1 without pipeline parallel (alone, x DP, x TP) goes through the same object:
+fleet.distributed_optimizer then builds DygraphShardingOptimizer (V1) inside
+HybridParallelOptimizer. Its step reduces every gradient to its owner over the sharding group
+(scaled 1/S, SUM), all-reduces the owner's over dp (1/dp), calls _apply_optimize with this
+rank's pairs (here: the trainer's update, on the owned tensors only) and broadcasts each tensor
+from its owner. The loss factor is dp x S. Every rank holds every gradient until the step ends
+(V1 reduces in place, its broadcast skips tensors without one).
+
 Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no reducer
 during backward (fleet's TensorParallel / PipelineParallel model wrappers have none either: their
 data-parallel sum is the optimizer's); the trainer's optimizer goes through
@@ -139,17 +147,35 @@ class FleetDataParallel:
     step is given its gradient as .main_grad for the step (removed after): every dp rank passes
     the same tensors, so fleet's buckets match across ranks."""
 
-    def __init__(self, hcg, degree):
-        self.hcg, self.degree = hcg, degree
+    def __init__(self, hcg, degree, sharding=False):
+        self.hcg, self.degree, self.sharding = hcg, degree, sharding
         self.hybrid = None     # fleet's HybridParallelOptimizer, after wrap
         self._update = None    # the trainer's update of this step (called by the inner step)
 
     @classmethod
     def for_layout(cls, topo, tp, pp, shard, ep):
+        if getattr(shard, "fleet", False):   # sharding stage 1 (x DP, x TP): module docstring
+            return cls(topo.hcg, topo.dp_degree * topo.sharding_degree, sharding=True)
         if (topo.hcg is None or topo.dp_degree <= 1 or (tp is None and pp is None)
                 or shard is not None or ep is not None or topo.sharding_degree > 1):
             return None
         return cls(topo.hcg, topo.dp_degree)
+
+    @property
+    def chain(self):
+        """Class names from fleet's wrapper to the paddle optimizer that updates (tests assert
+        which engine runs), e.g. [HybridParallelOptimizer, DygraphShardingOptimizer, AdamW]."""
+        out, opt = [], self.hybrid
+        while opt is not None:
+            out.append(type(opt).__name__)
+            opt = opt.__dict__.get("_inner_opt")
+        return out
+
+    def owners(self, optimizer):
+        """{full name: sharding rank} of fleet's stage-1 partition (its _param2rank, by paddle
+        name; greedy by numel, largest first: the partition is paddle's, not ours)."""
+        ranks = self.hybrid._inner_opt._param2rank
+        return {n: ranks[t.name] for n, t in optimizer.targets.items()}
 
     def wrap(self, optimizer):
         """fleet.distributed_optimizer over optimizer.opt (a paddle.optimizer.AdamW); its step()
@@ -157,19 +183,36 @@ class FleetDataParallel:
         from paddle.distributed import fleet
 
         inner = optimizer.opt
+        configs = fleet.fleet._user_defined_strategy.hybrid_configs
         # fleet's mp sync_param (on by default) broadcasts, after each step, the parameters its
         # name filter takes for replicated ones from the first TP rank: ours are equal on every
         # TP rank by construction (the same summed gradient and update), and the filter needs
         # `is_distributed`, which a DTensor's local shard lacks; off
-        fleet.fleet._user_defined_strategy.hybrid_configs["mp_configs"].sync_param = False
+        configs["mp_configs"].sync_param = False
+        if self.sharding:   # V1, per-tensor reduce / broadcast (PaddleNLP's split_param is V2)
+            sc = configs["sharding_configs"]
+            sc.split_param = sc.tensor_fusion = sc.comm_overlap = False
         self.hybrid = fleet.distributed_optimizer(inner)
-        if not (self.hybrid._dp_enable and not self.hybrid._sharding_enable):
-            raise RuntimeError(f"fleet's HybridParallelOptimizer does not reduce over dp here "
-                               f"(dp_enable {self.hybrid._dp_enable}, sharding "
-                               f"{self.hybrid._sharding_enable}); paddle changed its rules?")
-        inner.step = self._inner_step
-        logger.info(f"data parallel: fleet's HybridParallelOptimizer reduces gradients over "
-                    f"{self.degree} data-parallel ranks in its step")
+        want_dp = self.hcg.get_data_parallel_world_size() > 1 if self.sharding else True
+        if self.hybrid._dp_enable != want_dp or self.hybrid._sharding_enable != self.sharding:
+            raise RuntimeError(f"fleet's HybridParallelOptimizer: dp_enable {self.hybrid._dp_enable}, "
+                               f"sharding {self.hybrid._sharding_enable}, expected {want_dp}, "
+                               f"{self.sharding}; paddle changed its rules?")
+        if self.sharding:
+            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import \
+                DygraphShardingOptimizer
+
+            sharded = self.hybrid._inner_opt
+            if type(sharded) is not DygraphShardingOptimizer:
+                raise RuntimeError(f"fleet built {type(sharded).__name__}, expected DygraphShardingOptimizer")
+            # its step(): _apply_optimize(this rank's (param, grad) pairs), then the owners'
+            # broadcasts; the trainer's update replaces the first (an instance attribute: the
+            # wrapper's __getattr__ would reach the paddle AdamW's)
+            sharded._apply_optimize = lambda *a, **k: self._inner_step()
+        else:
+            inner.step = self._inner_step
+        logger.info(f"data parallel: fleet's {' -> '.join(self.chain)} reduces gradients over "
+                    f"{self.degree} ranks in its step")
 
     def _inner_step(self):
         self._update()

@@ -18,9 +18,16 @@ Who sums the data-parallel gradients, by layout:
 - data parallel with tensor and / or pipeline parallel: fleet's HybridParallelOptimizer.step
   (data.FleetDataParallel, `hybrid` here); our sums over TP / PP replicas, norm and clipping
   run inside its step, after its reduction;
-- sharding (any stage, with or without TP / PP): ours (sharding.py; stage 1 through
-  Topology.all_reduce_grads). fleet's sharding optimizers replace the parameter and state
-  layout, which checkpoints and sharding's tests are built on: issue 30 moves them;
+- sharding stage 1 without PP (alone, x DP, x TP): fleet's HybridParallelOptimizer over its
+  DygraphShardingOptimizer (data.FleetDataParallel with sharding): reduce to the owner, dp
+  all-reduce of the owned, our update on the owned tensors, the owners' broadcasts; fleet's
+  partition becomes the Sharding's owner map (checkpoints: each owner writes its tensors);
+- sharding stage 2 without TP / PP: paddle's group_sharded_parallel("os_g")
+  (group_sharded.GroupShardedStage2 as `hybrid`): the trainer's forward goes through its layer
+  wrapper (forward_model), its hooks reduce each gradient to the owner during backward, its
+  step scales, all-reduces over dp, runs our update and broadcasts; its clear_grad zeroes;
+- sharding stage 3, TP x stage 2, and any stage under PP: ours (sharding.py; PP x stage 1
+  through Topology.all_reduce_grads); issue 30 moves stage 3 to group_sharded_parallel;
 - Mixture-of-Experts on several data ranks (expert.py's groups: expert-data groups are not
   fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
@@ -85,8 +92,10 @@ class Parallel:
 
             par.dp = DataReducer.for_model(model, topo, trainable)
         from .data import FleetDataParallel
+        from .group_sharded import GroupShardedStage2
 
-        par.hybrid = FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep)
+        par.hybrid = (GroupShardedStage2.for_layout(model, topo, par.shard)
+                      or FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep))
         return par, trainable
 
     # ---------------------------------------------------------------- tensors
@@ -113,6 +122,17 @@ class Parallel:
         return self.shard is None or self.shard.owns(name)
 
     @property
+    def forward_model(self):
+        """What the trainer's forward calls: paddle's sharding wrapper when there is one."""
+        wrapper = getattr(self.hybrid, "model", None)
+        return self.model if wrapper is None else wrapper
+
+    @property
+    def defers_state(self):
+        """The optimizer's moments wait for fleet's stage-1 partition (after_setup)."""
+        return self.shard is not None and self.shard.fleet
+
+    @property
     def offload(self):
         return self.shard is not None and self.shard.offload
 
@@ -120,6 +140,9 @@ class Parallel:
     def after_setup(self, trainable, optimizer=None):
         if self.hybrid is not None and optimizer is not None:   # fleet's step reduces over dp
             self.hybrid.wrap(optimizer)
+            if self.hybrid.sharding:   # stage 1 on fleet: its partition; moments of ours only
+                self.shard.adopt(self.hybrid.owners(optimizer))
+                optimizer.keep_state(self.shard.owned)
         if self.shard is not None:
             self.shard.release(trainable)   # stage 3: non-owned values dropped between steps
 
@@ -178,7 +201,9 @@ class Parallel:
             grads = sum_replicated_grads(self.model, named, grads, self.tp)
         if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
             grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
-        if self.shard is not None and self.shard.stage >= 2:
+        if self.shard is not None and self.shard.fleet:   # fleet summed the owners' (data.py)
+            grads = [g if self.shard.owns(n) else None for n, g in zip(names, grads)]
+        elif self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
         elif self.dp is not None or self.hybrid is not None:
             pass   # paddle's reducer summed them during backward / fleet's optimizer (data.py)
@@ -186,8 +211,11 @@ class Parallel:
             grads = self.ep.reduce_grads(names, grads)
         else:
             grads = self.topo.all_reduce_grads(grads)
-        if self.shard is not None:   # stage2+: others' gradients dropped (an owner's are summed in
-            for n, g in zip(names, grads):   # place); stage1: the summed copies replace them
+        if self.shard is not None and not self.shard.fleet:   # (fleet's step broadcasts the
+            # owners' values for the tensors with a gradient: theirs stay until the step ends)
+            # stage2+: others' gradients dropped (an owner's are summed in place); stage1: the
+            # summed copies replace them
+            for n, g in zip(names, grads):
                 if g is None or self.shard.stage < 2:
                     trainable[n].clear_gradient(False)
         return grads
@@ -199,6 +227,15 @@ class Parallel:
         if self.hybrid is None:
             return update(grads)
         return self.hybrid.step(optimizer, named, grads, update)
+
+    def clear_grads(self, trainable):
+        """After a step: gradients released, or paddle's stage-2 clear_grad (it zeroes the owned
+        gradients in its buffer; releasing them would cut them off it)."""
+        if getattr(self.hybrid, "opt", None) is not None:
+            self.hybrid.opt.clear_grad()
+            return
+        for p in trainable.values():
+            p.clear_gradient(False)
 
     def grad_norm(self, named, grads):
         """The whole model's gradient norm: TP slices summed over their ranks (replicated heads
@@ -222,7 +259,7 @@ class Parallel:
                                                           [g for _, g in held], self.tp))
         if self.pp is not None:
             norm = paddle.sqrt(self.pp.sum_over_stages(paddle.square(norm)))
-        if self.shard is not None and self.shard.stage >= 2:   # each owner's part of the norm
+        if self.shard is not None and self.shard.owned_grads_only:   # each owner's part
             norm = paddle.sqrt(self.shard.square_norm(paddle.square(norm)))
         return norm
 
@@ -235,9 +272,14 @@ class Parallel:
 
         left = resident_numel(self.local(p.grad) for n, p in trainable.items()
                               if p.grad is not None and not self.shard.owns(n))   # others' gradients
+        if self.shard.fleet:   # fleet's stage 1 holds every gradient through its step
+            held = resident_numel(self.local(p.grad) for p in trainable.values() if p.grad is not None)
+        elif self.shard.stage >= 2:
+            held = sum(numel(g) for g in grads if g is not None)
+        else:
+            held = sum(numel(g) for g in grads)
         self.shard.stats.update(
-            grad_numel=sum(numel(g) for g in grads if g is not None) if self.shard.stage >= 2
-            else sum(numel(g) for g in grads), grad_numel_left=left,
+            grad_numel=held, grad_numel_left=left,
             optimizer_numel=sum(numel(t) for d in (optimizer.exp_avg, optimizer.exp_avg_sq)
                                 for t in d.values()))
 

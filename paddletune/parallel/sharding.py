@@ -6,10 +6,18 @@ training state. The trainable tensors (this rank's local shards under tensor / p
 parallelism) are partitioned into S owners, whole tensors in model order, balancing numel
 (`partition`); sharding rank r owns part r:
 
-    stage1  each rank keeps AdamW moments for its own tensors only; gradients are summed over the
-            data ranks as without sharding; each owner updates its tensors and broadcasts them
-            to the other ranks of its sharding group
-    stage2  gradients as well: after the step's backward the gradients are reduced to their
+    stage1  each rank keeps AdamW moments for its own tensors only. Without pipeline parallel
+            (and without expert groups) this is fleet's: fleet.distributed_optimizer wraps the
+            paddle AdamW in DygraphShardingOptimizer (V1) inside HybridParallelOptimizer, whose
+            step reduces each gradient to its owner (sharding group), all-reduces the owned ones
+            over dp, runs the trainer's update on the owner's tensors and broadcasts them (its
+            partition: greedy by numel, largest first; parallel/data.py FleetDataParallel,
+            `on_fleet`). Under PP the code below runs it: gradients summed over the data ranks as
+            without sharding; each owner updates its tensors and broadcasts them
+    stage2  gradients as well. Without TP / PP this is paddle's group_sharded_parallel("os_g")
+            (group_sharded.py: reduced to the owner in buckets during backward, a non-owner
+            drops each at once). Under TP / PP the code below runs it: after the step's
+            backward the gradients are reduced to their
             owner only (dist.reduce over the sharding group, then an all-reduce over the pure
             data-parallel replicas of that owner), and every rank drops the gradients of the
             tensors it does not own right away (during backward a rank holds the whole
@@ -29,7 +37,8 @@ under stage3 holds only their two values between steps.
 The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
-Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
+Stage 1 and (without TP) stage 2 are paddle's (above); stage 3, TP x stage 2 and PP x sharding
+are still this module's (issue 30). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
@@ -93,8 +102,8 @@ class Sharding:
     order on every rank of the group; `local(p)` is a parameter's local shard (a DTensor's
     _local_value() under tensor parallel), which is what is partitioned and sent."""
 
-    def __init__(self, topo, stage, named, local=lambda p: p):
-        self.topo, self.stage = topo, stage
+    def __init__(self, topo, stage, named, local=lambda p: p, fleet=False):
+        self.topo, self.stage, self.fleet = topo, stage, fleet
         self.degree, self.rank = topo.sharding_degree, topo.sharding_rank
         self.ranks = topo.ranks("sharding")
         self.group = None if len(self.ranks) == topo.world_size else topo.groups["sharding"]
@@ -102,8 +111,10 @@ class Sharding:
         self.local = local
         self.shapes = {n: list(local(p).shape) for n, p in named}
         self.dtypes = {n: p.dtype for n, p in named}
-        self.owner = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
-        self.owned = [n for n in names if self.owner[n] == self.rank]
+        # fleet (stage 1): every tensor counts as this rank's until adopt() takes fleet's partition
+        self.owner = {} if fleet else dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names],
+                                                                 self.degree)))
+        self.owned = [n for n in names if self.owns(n)]
         self.released = False
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
         self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
@@ -111,6 +122,17 @@ class Sharding:
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
+
+    def adopt(self, owner):
+        """fleet's partition ({name: sharding rank}, data.FleetDataParallel.owners) replaces ours."""
+        self.owner = dict(owner)
+        self.owned = [n for n in self.shapes if self.owns(n)]
+
+    @property
+    def owned_grads_only(self):
+        """After the reduction a rank has the summed gradients of its own tensors only (stage 2+;
+        fleet's stage 1: its reduce sums each gradient into its owner, the others' stay partial)."""
+        return self.stage >= 2 or self.fleet
 
     def _dp(self):
         """(group, size) of the pure data-parallel replicas (same sharding index)."""
@@ -242,7 +264,7 @@ class Sharding:
         releases what this rank does not own (the owners send them at the next gather)."""
         if self.stage >= 3:
             self.release(params)
-        else:
+        elif not self.fleet:   # (fleet's sharding optimizer broadcast them in its step)
             self.broadcast_params(params)
 
     def square_norm(self, sq):
@@ -404,6 +426,37 @@ class Layerwise:
         return hook
 
 
+OFFLOAD_STAGE1 = ("sharding 'stage1 offload': paddle's stage-1 sharding optimizer (fleet's "
+                  "DygraphShardingOptimizer) has no offload; drop 'offload' (the moments are already "
+                  "1/S per rank) or use stage2 / stage3 with offload")
+
+
+def on_fleet(stage, topo, model=None, offload=False):
+    """Whether this stage runs on paddle's sharding engine here, under fleet.init (more than one
+    process), without pipeline parallel and without a Mixture-of-Experts layout (expert.py's
+    groups): stage 1 (fleet's DygraphShardingOptimizer, data.py), stage 2 without tensor
+    parallel (group_sharded_parallel "os_g", group_sharded.py: its hooks take the layer's own
+    parameters, a DTensor's local shard is not one) and not with offload on a GPU (paddle's
+    offload step updates its own host copies, which would bypass the trainer's update; there the
+    host-memory AdamW below runs). Otherwise this module's own code (stage 3: issue 30; the
+    pipeline's sharding goes with the pipeline's move to fleet)."""
+    if not (topo.hcg is not None and topo.pp_degree == 1 and topo.ep_degree == 1
+            and getattr(model, "expert_parallel", None) is None):
+        return False
+    gpu_offload = offload and paddle.is_compiled_with_cuda()
+    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and not gpu_offload)
+
+
+def check_offload(args, degrees, ep=1):
+    """Before any work (parallel.init): 'offload' with stage 1 on fleet is refused on a GPU build
+    (paddle's DygraphShardingOptimizer has no host-memory option; PaddleNLP documents offload
+    for stage2 / stage3 only). On CPU builds it is warned in for_trainer (one memory)."""
+    words = (getattr(args, "sharding", "") or "").split()
+    if ("offload" in words and stage_of(" ".join(words)) == 1 and degrees["sharding"] > 1
+            and degrees["pp"] == 1 and ep == 1 and paddle.is_compiled_with_cuda()):
+        raise ValueError(OFFLOAD_STAGE1)
+
+
 def for_trainer(args, topo, named, local=lambda p: p, model=None):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
@@ -416,7 +469,10 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
-    shard = Sharding(topo, stage, named, local)
+    fleet = on_fleet(stage, topo, model, offload)
+    if fleet and offload and paddle.is_compiled_with_cuda():
+        raise ValueError(OFFLOAD_STAGE1)
+    shard = Sharding(topo, stage, named, local, fleet=fleet)
     shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
     if model is not None:
         shard.install_layerwise(model, dict(named))

@@ -7,8 +7,13 @@ p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update)
     p <- p * (1 - lr * wd)                                  (decay params only)
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-- LoRA+ learning-rate scales are parameter groups: paddle gives a group's parameters the
-  learning rate  group["learning_rate"] * the optimizer's lr  (param.optimize_attr).
+- LoRA+ learning-rate scales are per-tensor: param.optimize_attr["learning_rate"] (what paddle's
+  parameter groups would set) times the optimizer's lr. One flat parameter list, no groups:
+  fleet's stage-1 sharding optimizer (DygraphShardingOptimizer) refuses parameter groups.
+- Sharding stage 1 on fleet (parallel/data.py FleetDataParallel): the paddle AdamW is built over
+  every trainable tensor, fleet's sharding optimizer partitions them, and keep_state(names) then
+  creates the moments of this rank's tensors only (`held`); state_dict / load_state_dict /
+  exp_avg cover `held`.
 - The no-decay rule (`no_decay`) goes through apply_decay_param_fun (called with param.name).
 - The learning rate of each step comes from the trainer (`lr_at`): set_lr fills paddle's lr
   tensor in place (no host sync).
@@ -47,10 +52,11 @@ def no_decay(name, param):
 class AdamW:
     """named_params: (full name, tensor to update: a parameter or a DTensor's local shard);
     lr_scales: {name: learning-rate multiplier}. Attributes the trainer reads: params,
-    exp_avg / exp_avg_sq ({name: moment tensor}), t (steps taken)."""
+    held (the names whose state is on this rank), exp_avg / exp_avg_sq ({name: moment tensor} of
+    `held`), t (steps taken). defer_state: no moments until keep_state (fleet's sharding)."""
 
     def __init__(self, named_params, lr_scales=None, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, offload=False, multi_precision=False):
+                 weight_decay=0.0, offload=False, multi_precision=False, defer_state=False):
         self.params = dict(named_params)
         self.b1, self.b2 = betas
         self.offload = offload
@@ -63,27 +69,35 @@ class AdamW:
         if len(self.full_name) != len(self.targets):
             raise ValueError("two optimizer tensors share a paddle name: their state would mix")
         decay = {t.name: not no_decay(n, self.params[n]) for n, t in self.targets.items()}
-        groups = {}
         for n, t in self.targets.items():
             # a plain tensor (a DTensor's local shard, a host copy) made to look like a trainable
-            # parameter: paddle's optimizer skips stop_gradient ones and keeps a group's lr scale
-            # in optimize_attr
+            # parameter: paddle's optimizer skips stop_gradient ones; the lr scale in optimize_attr
             t.stop_gradient = False
             if not hasattr(t, "trainable"):   # read by fleet's gradient reduction (data.py)
                 t.trainable = True
             if getattr(t, "optimize_attr", None) is None:
-                t.optimize_attr = {"learning_rate": 1.0}
-            groups.setdefault(float(self.lr_scales.get(n, 1.0)), []).append(t)
+                t.optimize_attr = {}
+            t.optimize_attr["learning_rate"] = float(self.lr_scales.get(n, 1.0))
+        order = list(self.targets.values())
+        if defer_state:   # sharded by paddle: largest first, so the greedy partition of
+            # group_sharded's stage 2 (list order) balances like fleet's V1 (which sorts itself)
+            order.sort(key=lambda t: -int(np.prod(t.shape)))
         self.opt = paddle.optimizer.AdamW(
             learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
-            parameters=[{"params": ts, "learning_rate": s} for s, ts in groups.items()],
-            apply_decay_param_fun=lambda pname: decay[pname],
+            parameters=order, apply_decay_param_fun=lambda pname: decay[pname],
             multi_precision=bool(multi_precision) and not offload)   # (offload keeps its own masters)
-        block = paddle.static.default_main_program().global_block()
-        for group in self.opt._param_groups:   # moments now (checkpoint load, state accounting)
-            self.opt._create_accumulators(block, group)
+        self.held = []
+        if not defer_state:
+            self.keep_state(list(self.params))
         self.t = 0
         self._synced = not offload   # offload: host copies refreshed at the first step (resume)
+
+    def keep_state(self, names):
+        """The tensors whose moments live on this rank (all, or a sharding rank's own): created
+        now (checkpoint load, state accounting)."""
+        self.held = [n for n in self.params if n in set(names)]
+        block = paddle.static.default_main_program().global_block()
+        self.opt._create_accumulators(block, [self.targets[n] for n in self.held])
 
     def _host_copy(self, n, p):
         t = p.cpu().astype("float32")
@@ -101,11 +115,11 @@ class AdamW:
 
     @property
     def exp_avg(self):
-        return {n: self._acc(self.opt._moment1_acc_str, n) for n in self.params}
+        return {n: self._acc(self.opt._moment1_acc_str, n) for n in self.held}
 
     @property
     def exp_avg_sq(self):
-        return {n: self._acc(self.opt._moment2_acc_str, n) for n in self.params}
+        return {n: self._acc(self.opt._moment2_acc_str, n) for n in self.held}
 
     @paddle.no_grad()
     def step(self, grads, lr):
@@ -119,16 +133,16 @@ class AdamW:
         # b^t from python (as the old AdamW and torch): the kernel's running float32 product
         # drifts by an ulp, which 1 - b2^t (~1e-3) turns into ~1e-5 relative on the update
         pows = ((self.opt._beta1_pow_acc_str, self.b1 ** self.t), (self.opt._beta2_pow_acc_str, self.b2 ** self.t))
-        for group in self.opt._param_groups:
-            pairs = []
-            for t in group["params"]:
-                g = grads.get(self.full_name[t.name])
-                if g is not None:
-                    pairs.append((t, g.cpu().astype("float32") if self.offload else g))
-                    for kind, value in pows:
-                        self.opt._accumulators[kind][self._key(t)].fill_(value)
-            if pairs:
-                self.opt._apply_optimize(None, None, dict(group, params=pairs))
+        pairs = []
+        for n in self.held:
+            g = grads.get(n)
+            if g is not None:
+                t = self.targets[n]
+                pairs.append((t, g.cpu().astype("float32") if self.offload else g))
+                for kind, value in pows:
+                    self.opt._accumulators[kind][self._key(t)].fill_(value)
+        if pairs:
+            self.opt._apply_optimize(None, None, pairs)
         if self.offload:
             for n, p in self.params.items():
                 if n in grads:
@@ -137,12 +151,12 @@ class AdamW:
     def masters(self):
         """{name: float32 master tensor} of the 16-bit parameters under multi_precision."""
         found = getattr(self.opt, "_master_weights", {}) or {}
-        return {n: found[self.targets[n].name] for n in self.params if self.targets[n].name in found}
+        return {n: found[self.targets[n].name] for n in self.held if self.targets[n].name in found}
 
     def state_dict(self):
         """{name.exp_avg / name.exp_avg_sq (/ name.master): np.ndarray}, plus the step count."""
         tensors = {}
-        for n in self.params:
+        for n in self.held:
             tensors[f"{n}.exp_avg"] = self._acc(self.opt._moment1_acc_str, n).numpy()
             tensors[f"{n}.exp_avg_sq"] = self._acc(self.opt._moment2_acc_str, n).numpy()
         for n, m in self.masters().items():
@@ -151,7 +165,7 @@ class AdamW:
 
     def load_state_dict(self, tensors, meta):
         self.t = int(meta["step"])
-        for n in self.params:
+        for n in self.held:
             for key, kind in ((f"{n}.exp_avg", self.opt._moment1_acc_str),
                               (f"{n}.exp_avg_sq", self.opt._moment2_acc_str)):
                 if key not in tensors:

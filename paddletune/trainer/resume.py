@@ -46,7 +46,7 @@ def resume(t, which):
     if missing:
         raise ValueError(f"{path}: optimizer state lacks {missing[0]}: checkpoint from a different setup?")
     tensors = {f"{n}.{s}": t.par.read_local(reader, n, t.trainable[n], "optimizer", f"{n}.{s}")
-               for n in t.optimizer.params for s in ("exp_avg", "exp_avg_sq")}   # owned ones
+               for n in t.optimizer.held for s in ("exp_avg", "exp_avg_sq")}   # owned ones
     for n in t.optimizer.masters():   # AMP O2: the float32 masters, where the checkpoint has them
         if f"{n}.master" in reader.index["optimizer"]:
             tensors[f"{n}.master"] = t.par.read_local(reader, n, t.trainable[n], "optimizer", f"{n}.master")

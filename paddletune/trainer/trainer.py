@@ -116,7 +116,8 @@ class Trainer:
         self.optimizer = AdamW(self.par.optimizer_params(self.trainable), lr_scales,
                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay,
                                offload=self.par.offload,
-                               **({"multi_precision": True} if self.precision.o2 else {}))
+                               **({"multi_precision": True} if self.precision.o2 else {}),
+                               **({"defer_state": True} if self.par.defers_state else {}))
         # sharding stage 3: non-owned values dropped; hybrid data parallel: fleet's optimizer
         self.par.after_setup(self.trainable, self.optimizer)
         self.state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "log_history": [],
@@ -165,8 +166,8 @@ class Trainer:
         if self.loss_fn in (causal_lm_loss, moe_causal_lm_loss) and "labels" in batch:
             # the labelled positions from the host's labels (a device nonzero would be a sync)
             inputs["target_index"] = paddle.to_tensor(target_index(batch["labels"]))
-        with self.precision.autocast():
-            return self.loss_fn(self.model, inputs)
+        with self.precision.autocast():   # (sharding stage 2: through paddle's wrapper)
+            return self.loss_fn(self.par.forward_model, inputs)
 
     def training_step(self, micro_batches, lr):
         """Forward/backward of this rank's micro-batches, DP gradient sum, clip, AdamW.
@@ -191,8 +192,7 @@ class Trainer:
         # the update runs after the data-parallel reduction (inside fleet's optimizer step under
         # TP / PP x DP: parallel/layout.py Parallel.step)
         norm = self.par.step(self.optimizer, named, lambda grads: self._update(named, grads, lr))
-        for p in self.trainable.values():
-            p.clear_gradient(False)
+        self.par.clear_grads(self.trainable)
         if not self.skipped:
             self.par.after_step(self.trainable)   # sharding: owners' new values to the group
         return loss_acc / max(n_global, 1.0), norm, tgt_global, real_global
