@@ -114,10 +114,11 @@ def test_update_is_torch_adamw_with_groups_decay_rule_and_state_names():
         tw.grad, tb.grad = torch.tensor(g), torch.tensor(gb)
         topt.step()
         if i == 4:   # after step 5: the state torch holds (paddle's kernel takes 1 - b2 in
-            # float32: 0.00099998713, 1.3e-5 relative off torch's 0.001), the weights
+            # float32: 0.00099998713, 1.3e-5 relative off torch's 0.001; on an AVX-512 CPU paddle's
+            # vectorised kernel rounds differently: 2.7e-5 measured on exp_avg_sq), the weights
             for key in ("exp_avg", "exp_avg_sq"):
                 np.testing.assert_allclose(tensors[f"w.{key}"], topt.state[tw][key].numpy(),
-                                           rtol=2e-5, atol=1e-12)
+                                           rtol=5e-5, atol=1e-12)
             assert rel_err(p.numpy(), tw.detach().numpy()) < 1e-6
             assert rel_err(b.numpy(), tb.detach().numpy()) < 1e-6
     # a fresh optimizer from the saved state takes step 6 as torch does
