@@ -95,3 +95,46 @@ def test_nothing_is_patched_on_a_cuda_build(monkeypatch):
     with cpu_compat.fleet_groups(4):
         assert dist.new_group is before[2]
     assert (mp_ops._c_identity, mp_ops._mp_allreduce, dist.new_group) == before
+
+
+# ---------------------------------------------------------------- fleet's pipeline engine on gloo
+
+def test_pipeline_shims_pin_what_fleet_reads():
+    """pipeline_on_gloo sets ParallelEnv._device_id (which PipelineLayer reads and paddle sets
+    for CUDA / XPU / custom builds only) and pp_configs.use_batch_p2p_comm False (the batched
+    path sends on the calc stream, refused by gloo): both still exist and are still read."""
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel
+    from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication
+
+    assert "dist.ParallelEnv().device_id" in inspect.getsource(pp_layers.PipelineLayer.__init__)
+    assert "self._device_id" in inspect.getsource(dist.ParallelEnv.device_id.fget)
+    env_src = inspect.getsource(dist.ParallelEnv.__init__)
+    assert "is_compiled_with_cuda()" in env_src and "self._device_id = int(" in env_src
+    assert "_batched_p2p_ops if batch_p2p_comm else _p2p_ops" in inspect.getsource(p2p_communication._p2p_helper)
+    assert ".use_batch_p2p_comm" in inspect.getsource(pipeline_parallel.PipelineParallel.__init__)
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"pp_degree": 2}
+    set_any = cpu_compat.pipeline_on_gloo(strategy)
+    assert set_any == (not paddle.is_compiled_with_cuda())
+    if set_any:
+        assert strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm is False
+        assert dist.ParallelEnv().device_id == 0
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_cpu_parallel_env_still_lacks_a_device_id():
+    """The reason for the _device_id shim: on a CPU build ParallelEnv never sets it."""
+    import paddle.distributed as dist
+
+    saved = dist.ParallelEnv.__dict__.get("_device_id")
+    if saved is not None:
+        del dist.ParallelEnv._device_id
+    try:
+        with pytest.raises(AttributeError):
+            dist.ParallelEnv().device_id
+    finally:
+        if saved is not None:
+            dist.ParallelEnv._device_id = saved

@@ -124,6 +124,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "eval_logits_width": widths[0] if widths else None, "comm": comm,
               "engine_reshards": dict(rec.calls), "rank": topo.rank,
               "trace": pipe.trace if pipe is not None and trace else None,
+              "pp_engine": (f"{type(pipe.engine).__module__}.{type(pipe.engine).__name__}"
+                            if pipe is not None else None),
               "stage": topo.pp_rank, "held": held, "degrees": topo.degrees,
               "trainable_numel": sum(paddle_numel(p) for p in trainer.trainable.values())}
     state = _gather_trainable(model, trainer, tpg)

@@ -28,6 +28,11 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    backward. Callers that look them up as `mp_ops._c_identity` / `mp_ops._mp_allreduce` (paddle's
    mp_layers and parallel/tensor.py) run the shim. Nothing relaxed: same group-membership return,
    same op check (SUM only) as paddle's.
+4. fleet's pipeline engine (`pipeline_on_gloo`, parallel/pipeline.py): PipelineLayer.__init__
+   reads `ParallelEnv().device_id`, whose `_device_id` paddle sets for CUDA / XPU / custom
+   builds only (distributed/parallel.py:757-764: AttributeError on CPU) -> 0; and
+   `pp_configs.use_batch_p2p_comm` off: batched p2p (batch_isend_irecv) sends on the calc
+   stream, which gloo refuses; the plain isend / irecv path is fleet's own alternative.
 """
 import contextlib
 import os
@@ -203,4 +208,19 @@ def install_mp_ops():
     if not MP_OPS_ORIGINALS:
         MP_OPS_ORIGINALS.update(_c_identity=mp_ops._c_identity, _mp_allreduce=mp_ops._mp_allreduce)
     mp_ops._c_identity, mp_ops._mp_allreduce = c_identity, mp_allreduce
+    return True
+
+
+def pipeline_on_gloo(strategy):
+    """Settings fleet's PipelineParallel needs on a CPU (gloo) build, on `strategy` (fleet's
+    DistributedStrategy) before fleet.distributed_model: ParallelEnv._device_id = 0 (once) and
+    hybrid_configs.pp_configs.use_batch_p2p_comm = False. Returns whether anything was set
+    (nothing on CUDA builds)."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    import paddle.distributed as dist
+
+    if not hasattr(dist.ParallelEnv(), "_device_id"):
+        dist.ParallelEnv._device_id = 0
+    strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm = False
     return True
