@@ -772,7 +772,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_parallel(args, err, warn)
     _check_tensor_parallel(model_args, data_args, args, err)
     _check_pipeline_config(args, warn)
-    _check_virtual_pp(args, err)
+    _check_virtual_pp(data_args, args, err)
     _check_generation(data_args, gen_args, args, err, warn)
     _check_data(model_args, data_args, args, err, warn)
     _check_observe(args, err, warn)
@@ -944,6 +944,13 @@ def _check_sharding(args, err, warn):
               else args.sharding_parallel_degree)
     if degree <= 1:
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+    elif args.pipeline_parallel_degree > 1 and ("stage2" in words or "stage3" in words):
+        err("sharding", PP_STAGE23.format(stage=2 if "stage2" in words else 3))
+
+
+PP_STAGE23 = ("sharding stage{stage} with pipeline_parallel_degree > 1: fleet has no pipeline path for "
+              "sharding stages 2 / 3 (its PipelineParallel steps through HybridParallelOptimizer, "
+              "which shards stage 1 only); use sharding stage1 or pipeline_parallel_degree 1")
 
 
 PP_FLAGS_HONOURED = ("disable_p2p_cache_shape",)   # fleet runs without its shape cache, always (pipeline.py)
@@ -957,7 +964,7 @@ def _check_pipeline_config(args, warn):
                  "the settings parallel/pipeline.py picks; only disable_p2p_cache_shape applies, always)")
 
 
-def _check_virtual_pp(args, err):
+def _check_virtual_pp(data_args, args, err):
     """virtual_pp_degree > 1 under paddle's own rules for its interleaved schedule (the block
     count rule needs the model: parallel/pipeline.check_stages at load)."""
     v, pp = args.virtual_pp_degree, max(args.pipeline_parallel_degree, 1)
@@ -973,6 +980,15 @@ def _check_virtual_pp(args, err):
         err("virtual_pp_degree", f"{v} needs gradient_accumulation_steps >= pipeline_parallel_degree "
             f"({pp}; fleet.distributed_model refuses fewer for the interleaved schedule); got "
             f"{args.gradient_accumulation_steps}")
+    # the interleaved schedule keeps fleet's p2p shape cache (pipeline.py): one batch shape
+    if not data_args.pad_to_max_length:
+        err("virtual_pp_degree", f"{v} needs pad_to_max_length: true (fleet's interleaved schedule "
+            "asserts its p2p shape cache, so every micro-batch must have one shape)")
+    most = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if args.per_device_eval_batch_size > most:
+        err("virtual_pp_degree", f"{v}: per_device_eval_batch_size {args.per_device_eval_batch_size} "
+            f"must be <= per_device_train_batch_size x gradient_accumulation_steps ({most}): "
+            "evaluation runs as one training step's micro-batches")
 
 
 def _check_tensor_parallel(model_args, data_args, args, err):

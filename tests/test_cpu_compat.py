@@ -138,3 +138,38 @@ def test_paddles_cpu_parallel_env_still_lacks_a_device_id():
     finally:
         if saved is not None:
             dist.ParallelEnv._device_id = saved
+
+
+def test_pair_routing_pins_the_p2p_path_it_redirects():
+    """route_p2p_over_pairs replaces p2p_communication's module-global `_hcg` by a view whose
+    pipeline group routes by peer: fleet must still take its p2p group from that global, and
+    paddle's send / recv must still ask the group for the peer's rank before its process_group.
+    (4 stages on gloo without it: a TIMEOUT; with it: tests/test_pipeline_fleet.py pp4 / vpp.)"""
+    import importlib
+
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    assert "_hcg = hcg" in inspect.getsource(p2p.initialize_p2p_groups)
+    assert "group = hcg.get_pipe_parallel_group()" in inspect.getsource(p2p._p2p_ops)
+    assert "_hcg.get_pipe_parallel_group()" in inspect.getsource(p2p.P2pHelper._send_meta)
+    for fn in ("send", "recv"):
+        mod = importlib.import_module(f"paddle.distributed.communication.stream.{fn}")
+        src = inspect.getsource(getattr(mod, fn))
+        # the peer's rank is asked first, then _<fn>_in_dygraph uses group.process_group
+        assert src.index("_get_or_throw_group_rank(") < src.index(f"_{fn}_in_dygraph("), fn
+        assert f"group.process_group.{fn}(" in inspect.getsource(getattr(mod, f"_{fn}_in_dygraph"))
+
+    class Pair:
+        def __init__(self, ranks):
+            self.ranks, self.process_group = ranks, object()
+
+        def get_group_rank(self, r):
+            return self.ranks.index(r)
+
+    class PP:
+        ranks, nranks, rank, id, name = [0, 1, 2], 3, 1, 7, "pp"
+
+    pairs = {0: Pair([0, 1]), 2: Pair([1, 2])}
+    routes = cpu_compat._PairRoutes(PP(), pairs)
+    assert routes.get_group_rank(2) == 1 and routes.process_group is pairs[2].process_group
+    assert routes.get_group_rank(0) == 0 and routes.process_group is pairs[0].process_group

@@ -132,6 +132,10 @@ class _Item(nn.Layer):
     def passed_on(self, x, h):
         """{hidden, the [B, S] tensors} for the next item; copies at a chunk's end (fleet frees
         the tensors it has sent, and the inputs stay alive for backward)."""
+        if self.ends_chunk and not paddle.is_grad_enabled() and self.pipe.virtual > 1:
+            # fleet's interleaved eval checks what it sends against the shapes cached in training,
+            # where the hidden states carry a gradient (its send message lists those only)
+            h.stop_gradient = False
         out = {"hidden": h}
         for k in CTX_KEYS:
             if k in x:
@@ -302,11 +306,13 @@ class Pipeline:
         pipeline_on_gloo(strategy)
         strategy.hybrid_configs["pp_configs"].delay_scale_loss = True
         # variable lengths (module docstring): a meta message before every activation and gradient
-        # (without dynamic shape a gradient's buffer takes the last *sent* activation's shape)
-        strategy.hybrid_configs["pp_configs"].enable_dynamic_shape = True
+        # (without dynamic shape a gradient's buffer takes the last *sent* activation's shape);
+        # the interleaved schedule asserts the cache (fixed shapes: fixed_shape_batches)
+        cache = self.virtual > 1
+        strategy.hybrid_configs["pp_configs"].enable_dynamic_shape = not cache
         strategy.pipeline_configs = {"accumulate_steps": int(cfg.get("accumulate_steps", 1)),
                                      "micro_batch_size": int(cfg.get("micro_batch_size", 1)),
-                                     "p2p_cache_shape": False}
+                                     "p2p_cache_shape": cache}
         L, mine = len(m.decoder_layers()), set(self.layer_ids)
         items = [PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
         items += [PipeDecoderBlock(self, i, m.decoder_layers()[i] if i in mine else None) for i in range(L)]
@@ -328,6 +334,11 @@ class Pipeline:
         _install_trace_hooks()
         with _no_startup_broadcast(layer):
             self.engine = fleet.distributed_model(layer)
+        from .cpu_compat import route_p2p_over_pairs
+        from .topology import group_ranks
+
+        route_p2p_over_pairs(self.topo.hcg, lambda r: group_ranks(r, self.topo.degrees, "pp"),
+                             self.topo.world_size)
         return self.engine
 
     def local(self):
@@ -375,36 +386,81 @@ class Pipeline:
         its loss_sum x scale / n_global. Returns the summed loss_sum of the micro-batches (the
         last stage's; 0 on the others)."""
         _ACTIVE[:] = [self]
+        if self.virtual > 1:
+            self._check_fixed(micro_batches)
         self._set_accumulation(len(micro_batches))
         self.losses, self.loss_of, self.loss_scale = [], loss_of, scale / max(n_global, 1.0)
         self._ctx = {}
         if self.trace is not None:
             self.trace.append(("step", len(micro_batches), time.perf_counter()))
-        self.engine.forward_backward_pipeline(self._data(micro_batches))
+        self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
         if self.trace is not None:
             self.trace.append(("step_end", len(micro_batches), time.perf_counter()))
         self._ctx = {}
-        dtype = self.losses[0].dtype if self.losses else paddle.float32
-        acc = paddle.add_n(self.losses) if self.losses else paddle.zeros([], dtype)
+        acc = paddle.zeros([], "float32")   # summed as the Trainer sums (float32, in order)
+        for loss in self.losses:
+            acc = acc + loss.astype("float32")
         self.losses = []
         return acc
 
     @paddle.no_grad()
     def eval_batch(self, batch, metrics_of):
-        """Forward only (fleet's eval_batch, one micro-batch); the last stage returns
-        metrics_of(hidden, batch), the others None. The model's train / eval mode is kept."""
+        """Forward only (fleet's eval_batch); the last stage returns metrics_of(hidden, batch),
+        the others None. The model's train / eval mode is kept. With the shape cache (virtual
+        stages) the batch runs as the training step's micro-batches (fixed_shape_batches)."""
         _ACTIVE[:] = [self]
         training = self.model.training
-        self._set_accumulation(1)
+        parts, rows = ([batch], None) if self.virtual == 1 else self.fixed_shape_batches(batch)
+        self._set_accumulation(len(parts))
         self._ctx = {}
-        data = self._data([batch])
-        out = self.engine.eval_batch(data, compute_loss=False)
+        out = self.engine.eval_batch(self._data(parts), compute_loss=False)
         self._ctx = {}
         self.model.train() if training else self.model.eval()
         if not self.last:
             return None
+        h = out[0] if rows is None else paddle.concat(list(out))[:rows]
         with self.local():
-            return metrics_of(out[0], batch)
+            return metrics_of(h, batch)
+
+    # ------------------------------------------------------------------ fixed shapes (virtual stages)
+    def _check_fixed(self, micro_batches):
+        """fleet's interleaved schedule keeps the first step's shapes (its p2p cache, asserted
+        there): every step must have as many micro-batches of one shape."""
+        shapes = {tuple(b["input_ids"].shape) for b in micro_batches}
+        want = self.topo.pipeline.get("accumulate_steps", 1)
+        first = getattr(self, "_fixed_shape", None) or next(iter(shapes))
+        if len(shapes) != 1 or first not in shapes or len(micro_batches) != want:
+            raise ValueError(
+                f"virtual_pp_degree {self.virtual}: fleet's interleaved schedule needs every step to "
+                f"have {want} micro-batches of one shape (its p2p shape cache); this step has "
+                f"{len(micro_batches)} of shapes {sorted(shapes)}: use pad_to_max_length and a "
+                "dataset size that is a multiple of the global batch (dataloader_drop_last)")
+        self._fixed_shape = first
+
+    def fixed_shape_batches(self, batch):
+        """(micro-batches of the training step's shape, rows of `batch`): the rows split into
+        accumulate_steps micro-batches of micro_batch_size rows, filled up with copies of the
+        first row whose labels are all ignored (no targets: loss, counts and accuracy unchanged;
+        finite activations). Batches of more rows than one step holds are refused."""
+        import numpy as np
+
+        from ..data.collate import IGNORE
+
+        want = getattr(self, "_fixed_shape", None)
+        mb, m = int(self.topo.pipeline.get("micro_batch_size", 1)), int(self.topo.pipeline.get("accumulate_steps", 1))
+        rows = int(batch["input_ids"].shape[0])
+        if want is not None and int(batch["input_ids"].shape[1]) != want[1] or rows > mb * m:
+            raise ValueError(
+                f"virtual_pp_degree {self.virtual}: an evaluation batch of shape "
+                f"{list(batch['input_ids'].shape)} does not fit the training step's micro-batches "
+                f"({m} x {[mb, want[1] if want else '?']}): use pad_to_max_length and "
+                f"per_device_eval_batch_size <= {mb * m}")
+        idx = np.concatenate([np.arange(rows), np.zeros(mb * m - rows, np.int64)])
+        full = {k: paddle.gather(v, paddle.to_tensor(idx)) for k, v in batch.items()}
+        if rows < mb * m:
+            keep = paddle.to_tensor((np.arange(mb * m) < rows)[:, None])
+            full["labels"] = paddle.where(keep, full["labels"], paddle.full_like(full["labels"], IGNORE))
+        return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(m)], rows
 
     # ------------------------------------------------------------------ what the Trainer needs
     def sum_over_stages(self, t):

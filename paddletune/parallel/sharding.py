@@ -416,6 +416,10 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
+    if stage >= 2 and topo.pp_degree > 1:
+        from ..args import PP_STAGE23
+
+        raise ValueError(PP_STAGE23.format(stage=stage))
     shard = Sharding(topo, stage, named, local)
     shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
     if model is not None:
