@@ -6,10 +6,15 @@
    for recompute off / full / full_attn / core_attn, the peak RSS growth of the first training
    step over the RSS before it (the activations kept for backward dominate it; later steps reuse
    freed memory, so only the first shows it) and the step time (median of the later --steps).
-2. Pipeline (PP=2 on 2 launched ranks, accumulation m = 2, 4, 8, micro-batch 1): per stage, the
-   share of the step spent outside forward / backward compute (waiting for the other stage or
-   sending) against the 1F1B bubble (p-1)/(m+p-1). On a shared 2-core CPU the two stages also
-   compete for the cores, so the measured idle share is an upper bound of the schedule's bubble.
+2. Pipeline on fleet's engine (PP=2 on 2 launched ranks, accumulation m = 2, 4, 8; then p = 4,
+   m = 8 on 4 ranks with v = 1 (PipelineParallel) and v = 2 virtual stages (PipelineParallel-
+   WithInterleave); micro-batch 1): per stage, the idle share of a step = 1 - compute / wall, with
+   compute the time inside fleet's forward / backward micro-steps (its micro-step callbacks, the
+   pipeline trace) and wall the whole forward_backward_pipeline call, against the analytic
+   bubble (p-1)/(v m+p-1). No threshold. On a CPU with fewer cores than ranks the stages also
+   compete for the cores (a "waiting" stage's peer runs slower), and the p2p meta messages and
+   blocking gloo sends are outside compute: the measured share is an upper bound of the
+   schedule's bubble.
 """
 import argparse
 import json
@@ -32,8 +37,8 @@ from paddletune import parallel
 from paddletune.args import TrainingArguments
 from paddletune.loading import load_model
 from paddletune.trainer import Trainer
-ckpt, out, seq, accum, steps = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
-args = TrainingArguments(output_dir=out, pipeline_parallel_degree=2, per_device_train_batch_size=1,
+ckpt, out, seq, accum, steps, pp, vpp = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9])
+args = TrainingArguments(output_dir=out, pipeline_parallel_degree=pp, virtual_pp_degree=vpp, per_device_train_batch_size=1,
                          gradient_accumulation_steps=accum, max_steps=steps, logging_steps=1,
                          save_strategy="no", disable_tqdm=True, learning_rate=1e-4)
 topo = parallel.init(args)
@@ -121,6 +126,7 @@ def pipeline_rows(a):
     from paddletune.models import build_model, save_pretrained
 
     out = []
+    runs = [(2, 1, m) for m in a.accum] + ([(4, v, 8) for v in (1, 2)] if a.pp4 else [])
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {"model_type": "llama", "vocab_size": 1000, "hidden_size": a.hidden, "intermediate_size": a.hidden * 3,
                "num_hidden_layers": a.layers, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -129,17 +135,17 @@ def pipeline_rows(a):
         save_pretrained(build_model(cfg, seed=0), ck, dtype="float32")
         worker = os.path.join(tmp, "w.py")
         open(worker, "w").write(PP_WORKER)
-        for m in a.accum:
-            run = os.path.join(tmp, f"m{m}")
+        for pp, v, m in runs:
+            run = os.path.join(tmp, f"p{pp}v{v}m{m}")
             os.makedirs(run)
-            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-                   os.path.join(run, "log"), worker, ROOT, ck, run, str(a.seq), str(m), str(a.steps)]
+            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(pp), "--log_dir",
+                   os.path.join(run, "log"), worker, ROOT, ck, run, str(a.seq), str(m), str(a.steps), str(pp), str(v)]
             r = subprocess.run(cmd, cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
             if r.returncode:
                 sys.exit(f"pipeline run failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-            stages = [json.load(open(os.path.join(run, f"pp-{s}.json"))) for s in (0, 1)]
+            stages = [json.load(open(os.path.join(run, f"pp-{s}.json"))) for s in range(pp)]
             idle = [1 - s["busy"] / max(s["total"], 1e-9) for s in stages]
-            out.append((m, (2 - 1) / (m + 2 - 1), idle))
+            out.append((pp, v, m, (pp - 1) / (v * m + pp - 1), idle))
     return out
 
 
@@ -151,11 +157,12 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accum", default="2,4,8")
+    p.add_argument("--no-pp4", dest="pp4", action="store_false", help="skip the p = 4 runs (4 ranks)")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 step (test suite)")
     a = p.parse_args()
     a.accum = [int(x) for x in a.accum.split(",")]
     if a.smoke:
-        a.hidden, a.layers, a.seq, a.batch, a.steps, a.accum = 64, 2, 16, 2, 2, [2]
+        a.hidden, a.layers, a.seq, a.batch, a.steps, a.accum, a.pp4 = 64, 2, 16, 2, 2, [2], False
     import paddletune  # noqa: F401
 
     print(f"command: python benchmarks/pipeline_recompute.py --hidden {a.hidden} --layers {a.layers} "
@@ -166,11 +173,10 @@ def main():
     base_mem, base_t = rows[0][1], rows[0][2]
     for mode, mem, t in rows:
         print(f"| {mode} | {mem:.0f} | {mem / max(base_mem, 1e-9):.2f} | {t:.3f} | {t / base_t:.2f} |")
-    print("\n| PP=2, micro-batches m | 1F1B bubble (p-1)/(m+p-1) | idle share stage 0 | idle share stage 1 |")
-    print("|---|---|---|---|")
-    for m, bubble, idle in pipeline_rows(a):
-        print(f"| {m} | {bubble:.3f} | {idle[0]:.3f} | {idle[1]:.3f} |")
-
+    print("\n| stages p | virtual v | micro-batches m | bubble (p-1)/(v m+p-1) | idle share per stage |")
+    print("|---|---|---|---|---|")
+    for pp, v, m, bubble, idle in pipeline_rows(a):
+        print(f"| {pp} | {v} | {m} | {bubble:.3f} | {' / '.join(f'{x:.3f}' for x in idle)} |")
 
 if __name__ == "__main__":
     main()
