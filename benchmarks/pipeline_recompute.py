@@ -1,7 +1,8 @@
 """Recompute and pipeline parallel on this machine: activation memory, time, and the pipeline bubble.
 
     python benchmarks/pipeline_recompute.py [--hidden 512 --layers 8 --seq 256 --batch 4]
-        [--pp 4 --virtual 1,2 --micro 8 --pp-hidden 256 --pp-layers 8 --pp-seq 128] [--skip recompute] [--smoke]
+        [--pp 4 --virtual 1,2 --micro 8 --pp-steps 5 --pp-hidden 512 --pp-layers 8 --pp-seq 256]
+        [--skip recompute|pipeline] [--smoke]
 
 1. Recompute (one process, full fine-tuning of a random Llama, each mode in a fresh process):
    for recompute off / full / full_attn / core_attn, the peak RSS growth of the first training
@@ -15,22 +16,28 @@
    first: measured idle = 1 - (time inside forward / backward) / (step wall time), printed beside
    the analytic bubble (p-1)/(v m+p-1). No threshold.
 
-Why measured idle is far above the bubble here, and how the table separates the causes: p
+Why measured idle is above the bubble here, and how the table separates the causes: p
 processes share 2 cores (and the machine's other jobs), so a stage also waits while the stage
 it needs is descheduled, and its own compute stretches when it loses the cores. Measured idle
-is therefore an upper bound, confounded with contention. Three more columns pull it apart:
+therefore mixes the schedule's bubble with contention. More columns pull them apart:
 - compute wall / CPU: forward / backward wall time over their CPU time (OMP_NUM_THREADS=1, so
   CPU time is the op's work): 1.0 means the stage had a core while computing, above 1 it lost it.
 - replay: the schedule each stage actually ran (its recorded order of forward / backward per
   chunk) replayed as if every stage had its own core and p2p cost nothing, each op taking its
-  measured CPU time: the bubble of fleet's schedule with this model's real stage imbalance (the
-  first stage embeds, the last computes the loss head). With equal costs (forward 1, backward
-  2) the replay reproduces (p-1)/(v*m+p-1) exactly, which checks that the replay's dependency
-  model matches the schedule fleet ran.
+  stage's median measured CPU time for that kind and chunk: the bubble of fleet's schedule with
+  this model's real stage imbalance (the first stage embeds, the last computes the loss head)
+  and per-op overheads. With equal costs (forward 1, backward 2) the replay reproduces
+  (p-1)/(v*m+p-1) exactly, which checks that the replay's dependency model matches the
+  schedule fleet ran.
 - step CPU / wall (process, main thread): how much of the step the rank got the CPU at all; the
   process figure includes gloo's threads, the main thread's is the schedule and compute only.
-The gap measured idle - replay (measured costs) is contention and p2p (gloo over TCP, plus a meta
-message per hop where fleet's shape cache is off); replay (measured costs) - bubble is stage imbalance.
+- CPU ms per F, B: the mean CPU time of one forward / backward (one chunk, one micro-batch).
+Reading: replay (measured costs) - bubble is stage imbalance and per-op overhead; measured idle
+- replay is what the shared cores and p2p add (gloo over TCP, plus a meta message per hop where
+fleet's shape cache is off). Contention acts both ways (a stage waits for a descheduled peer,
+but its own stretched compute also fills more of the step), so measured idle is an upper bound
+of the schedule's idle only in the loose sense, and only the replay and CPU columns are
+comparable between runs on a loaded machine.
 """
 import argparse
 import json
@@ -200,21 +207,28 @@ def stage_summary(stages, p, v, skip=1):
     """Per stage, over the steps after the first `skip` (warm-up): measured idle share (1 - time in
     fleet's forward / backward over the step's wall time), compute stretch (forward / backward
     wall over their CPU time: >1 when the stage lost the cores to the others), the step's CPU
-    share; the replayed idle share from the measured CPU costs and at equal costs (F = 1, B = 2)."""
+    share; the replayed idle share at measured costs (each op its stage's median CPU time for
+    that kind and chunk over the measured steps: single ops hit by contention stay outliers
+    there) and at equal costs (F = 1, B = 2)."""
     n = len(stages[0]["steps"])
-    rows = [dict(wall=0.0, busy=0.0, cpu_busy=0.0, cpu=0.0, tcpu=0.0, nF=0, nB=0) for _ in range(p)]
-    rep, rep_busy, eq, eq_busy = 0.0, [0.0] * p, 0.0, [0.0] * p
+    rows = [dict(wall=0.0, busy=0.0, cpu_busy=0.0, cpu=0.0, tcpu=0.0, nF=0, nB=0, cF=0.0, cB=0.0) for _ in range(p)]
+    costs = {}
     for i in range(skip, n):
         for s, st in enumerate(stages):
             step, r = st["steps"][i], rows[s]
             r["wall"] += step["end"] - step["start"]
             r["cpu"] += step["cpu"]
             r["tcpu"] += step["tcpu"]
-            for kind, _, t0, t1, c in step["ops"]:
+            for kind, chunk, t0, t1, c in step["ops"]:
                 r["busy"] += t1 - t0
                 r["cpu_busy"] += c
                 r["n" + kind] += 1
-        ops = [[(k, ch, c) for k, ch, _, _, c in st["steps"][i]["ops"]] for st in stages]
+                r["c" + kind] += c
+                costs.setdefault((s, kind, chunk), []).append(c)
+    med = {key: statistics.median(c) for key, c in costs.items()}
+    rep, rep_busy, eq, eq_busy = 0.0, [0.0] * p, 0.0, [0.0] * p
+    for i in range(skip, n):
+        ops = [[(k, ch, med[(s, k, ch)]) for k, ch, _, _, _ in st["steps"][i]["ops"]] for s, st in enumerate(stages)]
         span, b = replay(ops, p, v)
         rep += span
         rep_busy = [x + y for x, y in zip(rep_busy, b)]
@@ -229,6 +243,7 @@ def stage_summary(stages, p, v, skip=1):
         r["replay"] = 1 - rep_busy[s] / max(rep, 1e-12)
         r["equal"] = 1 - eq_busy[s] / max(eq, 1e-12)
         r["steps"] = n - skip
+        r["msF"], r["msB"] = (1e3 * r["c" + k] / max(r["n" + k], 1) for k in "FB")
     return rows
 
 
@@ -251,7 +266,7 @@ def pipeline_runs(a):
             os.makedirs(run)
             cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(a.pp), "--log_dir",
                    os.path.join(run, "log"), worker, ROOT, ck, run, str(a.pp_seq), str(a.pp), str(v), str(a.micro),
-                   str(a.steps)]
+                   str(a.pp_steps)]
             r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
             if r.returncode:
                 logs = "".join(open(os.path.join(run, "log", f)).read()[-3000:]
@@ -273,16 +288,17 @@ def main():
     p.add_argument("--pp", type=int, default=4, help="pipeline stages (launched ranks)")
     p.add_argument("--virtual", default="1,2", help="virtual_pp_degree values")
     p.add_argument("--micro", type=int, default=8, help="micro-batches per step (gradient_accumulation_steps)")
-    p.add_argument("--pp-hidden", type=int, default=256)
+    p.add_argument("--pp-steps", type=int, default=5, help="steps per pipeline run; the first is warm-up")
+    p.add_argument("--pp-hidden", type=int, default=512)
     p.add_argument("--pp-layers", type=int, default=8, help="decoder blocks (divisible by pp x v)")
-    p.add_argument("--pp-seq", type=int, default=128)
+    p.add_argument("--pp-seq", type=int, default=256)
     p.add_argument("--skip", default="", help="'recompute' or 'pipeline': leave that part out")
     p.add_argument("--smoke", action="store_true", help="tiny models, 2 steps (test suite)")
     a = p.parse_args()
     a.virtual = [int(x) for x in a.virtual.split(",")]
     if a.smoke:
         a.hidden, a.layers, a.seq, a.batch, a.steps = 64, 2, 16, 2, 2
-        a.pp_hidden, a.pp_seq, a.micro = 32, 8, 8
+        a.pp_hidden, a.pp_seq, a.micro, a.pp_steps = 32, 8, 8, 2
     for v in a.virtual:
         if a.pp_layers % (a.pp * v):
             sys.exit(f"error: --pp-layers {a.pp_layers} is not divisible by --pp x virtual ({a.pp} x {v}); "
@@ -291,7 +307,7 @@ def main():
 
     print(f"command: python benchmarks/pipeline_recompute.py --hidden {a.hidden} --layers {a.layers} "
           f"--seq {a.seq} --batch {a.batch} --steps {a.steps} --pp {a.pp} --virtual "
-          f"{','.join(map(str, a.virtual))} --micro {a.micro} --pp-hidden {a.pp_hidden} --pp-layers "
+          f"{','.join(map(str, a.virtual))} --micro {a.micro} --pp-steps {a.pp_steps} --pp-hidden {a.pp_hidden} --pp-layers "
           f"{a.pp_layers} --pp-seq {a.pp_seq}\n")
     if a.skip != "recompute":
         print("| recompute | peak RSS growth in a step (MiB) | vs off | step time (s) | vs off |")
@@ -305,19 +321,20 @@ def main():
     m, P = a.micro, a.pp
     print(f"\n| p={P}, m={m}: v | fleet engine | stage | bubble (p-1)/(v m+p-1) | replay, equal costs | "
           "replay, measured CPU costs | measured idle (wall) | compute wall / CPU | step CPU / wall: process, main thread "
-          "| F, B per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| F, B per step | CPU ms per F, B |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     failed = []
     for v, stages in pipeline_runs(a):
         bubble = (P - 1) / (v * m + P - 1)
         if stages is None:
             failed.append(v)
-            print(f"| {v} | run failed (stderr) | | {bubble:.3f} | | | | | | |")
+            print(f"| {v} | run failed (stderr) | | {bubble:.3f} | | | | | | | |")
             continue
         engine = ",".join(stages[0]["engines"])
         for s, r in enumerate(stage_summary(stages, P, v)):
             print(f"| {v} | {engine} | {s} | {bubble:.3f} | {r['equal']:.3f} | {r['replay']:.3f} | {r['idle']:.3f} | "
-                  f"{r['stretch']:.2f} | {r['cpu_share']:.2f}, {r['main_share']:.2f} | {r['nF'] // r['steps']}, {r['nB'] // r['steps']} |")
+                  f"{r['stretch']:.2f} | {r['cpu_share']:.2f}, {r['main_share']:.2f} | {r['nF'] // r['steps']}, {r['nB'] // r['steps']} | "
+                  f"{r['msF']:.1f}, {r['msB']:.1f} |")
     if failed:
         sys.exit(f"pipeline run(s) failed: virtual_pp_degree {failed}")
 

@@ -29,7 +29,7 @@ def test_pipeline_recompute_benchmark_smoke():
             if line.startswith("| 1 | Pipeline") or line.startswith("| 2 | Pipeline")]
     p, m = 4, 8
     assert len(rows) == 2 * p, r.stdout
-    for v_, engine, stage, bubble, equal, _replay, _idle, _stretch, _cpu, fb in rows:
+    for v_, engine, stage, bubble, equal, _replay, _idle, _stretch, _cpu, fb, _ms in rows:
         v = int(v_)
         assert engine == ("PipelineParallel" if v == 1 else "PipelineParallelWithInterleave"), engine
         assert abs(float(bubble) - (p - 1) / (v * m + p - 1)) < 1e-3 and abs(float(equal) - float(bubble)) < 1e-3
