@@ -278,6 +278,21 @@ def pipeline_runs(a):
     return out
 
 
+def input_error(a):
+    """The pipeline settings paddle's interleaved schedule refuses (checked before any run)."""
+    if a.pp < 2:
+        return f"--pp {a.pp}: a pipeline needs 2+ stages; set --pp 2 or more"
+    for v in a.virtual:
+        if v > 1 and a.pp < 3:
+            return f"--virtual {v} with --pp {a.pp}: paddle's interleaved schedule needs 3+ stages; use --pp 3+"
+        if v > 1 and a.micro < a.pp:
+            return f"--virtual {v}, --micro {a.micro}: interleaving needs micro-batches >= --pp ({a.pp})"
+        if v < 1 or a.pp_layers % (a.pp * v):
+            return (f"--pp-layers {a.pp_layers} with --pp {a.pp}, --virtual {v}: the blocks must be divisible "
+                    f"by pp x virtual ({a.pp * max(v, 1)}); pick --pp-layers a multiple of it")
+    return None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -299,10 +314,10 @@ def main():
     if a.smoke:
         a.hidden, a.layers, a.seq, a.batch, a.steps = 64, 2, 16, 2, 2
         a.pp_hidden, a.pp_seq, a.micro, a.pp_steps = 32, 8, 8, 2
-    for v in a.virtual:
-        if a.pp_layers % (a.pp * v):
-            sys.exit(f"error: --pp-layers {a.pp_layers} is not divisible by --pp x virtual ({a.pp} x {v}); "
-                     "the interleaved segmentation needs it: pick --pp-layers a multiple of it")
+    bad = input_error(a)
+    if bad and a.skip != "pipeline":
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     import paddletune  # noqa: F401
 
     print(f"command: python benchmarks/pipeline_recompute.py --hidden {a.hidden} --layers {a.layers} "

@@ -37,6 +37,19 @@ def test_pipeline_recompute_benchmark_smoke():
     assert sorted(int(row[2]) for row in rows) == sorted(list(range(p)) * 2)
 
 
+def test_pipeline_recompute_bad_input():
+    """Settings paddle's interleaved schedule refuses: one error line naming the flag, exit 2,
+    before any run (no table printed)."""
+    script = os.path.join(ROOT, "benchmarks", "pipeline_recompute.py")
+    for flags, named in ((["--pp-layers", "6"], "--pp-layers 6"), (["--pp", "2"], "--virtual 2 with --pp 2"),
+                         (["--micro", "2"], "--micro 2")):
+        r = run_script([script] + flags)
+        assert r.returncode == 2, (flags, r.stderr[-2000:])
+        assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == \
+            [l for l in r.stderr.splitlines() if named in l], r.stderr
+        assert "|" not in r.stdout
+
+
 def test_pipeline_replay_hand_worked():
     """The replay on a hand-worked 1F1B (p = 2, m = 2): stage 0 runs F0 F1 B0 B1, stage 1 F0 B0
     F1 B1. Costs F 1, B 2: s0 F0 [0,1], F1 [1,2]; s1 F0 [1,2], B0 [2,4], F1 [4,5], B1 [5,7];
