@@ -187,7 +187,11 @@ def replay(stage_ops, p, v, cost=None):
                 kind, chunk, dur = stage_ops[s][pos[s]]
                 j = seen[s].get((kind, chunk), 0)
                 vs = chunk * p + s
-                dep = ("F", vs - 1, j) if kind == "F" and vs > 0 else ("B", vs + 1, j) if kind == "B" and vs < last_vs else None
+                dep = None
+                if kind == "F" and vs > 0:
+                    dep = ("F", vs - 1, j)
+                elif kind == "B" and vs < last_vs:
+                    dep = ("B", vs + 1, j)
                 if dep is not None and dep not in done:
                     break
                 dur = cost(kind) if cost else dur
