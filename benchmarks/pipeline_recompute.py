@@ -30,7 +30,8 @@ therefore mixes the schedule's bubble with contention. More columns pull them ap
   (p-1)/(v*m+p-1) exactly, which checks that the replay's dependency model matches the
   schedule fleet ran.
 - step CPU / wall (process, main thread): how much of the step the rank got the CPU at all; the
-  process figure includes gloo's threads, the main thread's is the schedule and compute only.
+  process figure includes the rank's other threads (gloo's transport among them), the main
+  thread's is the schedule and compute only (paddle's CPU kernels run in the calling thread).
 - CPU ms per F, B: the mean CPU time of one forward / backward (one chunk, one micro-batch).
 Reading: replay (measured costs) - bubble is stage imbalance and per-op overhead; measured idle
 - replay is what the shared cores and p2p add (gloo over TCP, plus a meta message per hop where
