@@ -249,7 +249,7 @@ class TrainingArguments:
     sep_parallel_degree: int = F(-1, "sequence parallel", "refused", "sequence parallelism is not implemented")
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
-    virtual_pp_degree: int = F(1, "virtual pipeline stages per rank (interleaved 1F1B)", "refused", "the interleaved schedule is not built; the non-interleaved 1F1B runs with 1")
+    virtual_pp_degree: int = F(1, "virtual pipeline stages per rank: fleet's interleaved 1F1B (PipelineParallelWithInterleave) under paddle's rules: pipeline_parallel_degree >= 3, decoder blocks divisible by pipeline_parallel_degree x virtual_pp_degree, gradient_accumulation_steps >= pipeline_parallel_degree")
     sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags (split_param, enable_stage1_overlap, ...)", "no_effect", "stage 1 runs fleet's DygraphShardingOptimizer V1 without fusion / overlap (split_param's V2 does not yet equal one process on gloo); stages 2-3 send one flat tensor per owner")
     export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
@@ -772,6 +772,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_parallel(args, err, warn)
     _check_tensor_parallel(model_args, data_args, args, err)
     _check_pipeline_config(args, warn)
+    _check_virtual_pp(data_args, args, err)
     _check_generation(data_args, gen_args, args, err, warn)
     _check_data(model_args, data_args, args, err, warn)
     _check_observe(args, err, warn)
@@ -943,17 +944,51 @@ def _check_sharding(args, err, warn):
               else args.sharding_parallel_degree)
     if degree <= 1:
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
+    elif args.pipeline_parallel_degree > 1 and ("stage2" in words or "stage3" in words):
+        err("sharding", PP_STAGE23.format(stage=2 if "stage2" in words else 3))
 
 
-PP_FLAGS_HONOURED = ("disable_p2p_cache_shape",)
+PP_STAGE23 = ("sharding stage{stage} with pipeline_parallel_degree > 1: fleet has no pipeline path for "
+              "sharding stages 2 / 3 (its PipelineParallel steps through HybridParallelOptimizer, "
+              "which shards stage 1 only); use sharding stage1 or pipeline_parallel_degree 1")
+
+
+PP_FLAGS_HONOURED = ("disable_p2p_cache_shape",)   # fleet runs without its shape cache, always (pipeline.py)
 
 
 def _check_pipeline_config(args, warn):
     """pipeline_parallel_config flags: the honoured ones silently, every other one warned once."""
     for flag in (args.pipeline_parallel_config or "").split():
         if flag not in PP_FLAGS_HONOURED:
-            warn(f"'pipeline_parallel_config: {flag}' has no effect here (the pipeline is a plain "
-                 "1F1B over point-to-point sends; only disable_p2p_cache_shape applies, always)")
+            warn(f"'pipeline_parallel_config: {flag}' has no effect here (fleet's pipeline runs with "
+                 "the settings parallel/pipeline.py picks; only disable_p2p_cache_shape applies, always)")
+
+
+def _check_virtual_pp(data_args, args, err):
+    """virtual_pp_degree > 1 under paddle's own rules for its interleaved schedule (the block
+    count rule needs the model: parallel/pipeline.check_stages at load)."""
+    v, pp = args.virtual_pp_degree, max(args.pipeline_parallel_degree, 1)
+    if v < 1:
+        err("virtual_pp_degree", f"must be >= 1, got {v}")
+    if v == 1:
+        return
+    if pp < 3:
+        err("virtual_pp_degree", f"{v} needs pipeline_parallel_degree >= 3 (paddle's interleaved "
+            f"schedule, PipelineParallelWithInterleave, asserts pp degree > 2); got {pp}: set "
+            "virtual_pp_degree to 1 or use 3+ pipeline stages")
+    if args.gradient_accumulation_steps < pp:
+        err("virtual_pp_degree", f"{v} needs gradient_accumulation_steps >= pipeline_parallel_degree "
+            f"({pp}; fleet.distributed_model refuses fewer for the interleaved schedule); got "
+            f"{args.gradient_accumulation_steps}")
+    # the interleaved schedule keeps fleet's p2p shape cache (pipeline.py): one batch shape
+    if not data_args.pad_to_max_length:
+        err("virtual_pp_degree", f"{v} needs pad_to_max_length: true (fleet's interleaved schedule "
+            "asserts its p2p shape cache, so every micro-batch must have one shape)")
+    most = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if args.per_device_eval_batch_size > most:
+        err("virtual_pp_degree", f"{v}: per_device_eval_batch_size {args.per_device_eval_batch_size} "
+            f"must be <= per_device_train_batch_size x gradient_accumulation_steps ({most}): "
+            "evaluation runs as one training step's micro-batches")
 
 
 def _check_tensor_parallel(model_args, data_args, args, err):

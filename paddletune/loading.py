@@ -48,7 +48,7 @@ def _check_parallel_layout(path, spec, cfg, topology):
     if topology.pp_degree > 1:
         from .parallel.pipeline import check_stages
 
-        check_stages(cfg, topology.pp_degree)
+        check_stages(cfg, topology.pp_degree, topology.pipeline.get("virtual", 1))
 
 
 def load_model(name_or_path, topology=None, quant=None, dtype="float32", training=None):
@@ -77,7 +77,7 @@ def load_model(name_or_path, topology=None, quant=None, dtype="float32", trainin
     if pp:   # this stage's blocks (and embedding / norm / head) only are read; the rest stays lazy
         from .parallel.pipeline import owned
 
-        only = owned(model, topology.pp_rank, topology.pp_degree)
+        only = owned(model, topology.pp_rank, topology.pp_degree, topology.pipeline.get("virtual", 1))
     if getattr(cfg, "moe", None) and topology is not None and topology.data_degree > 1:
         from .parallel import expert
 

@@ -146,3 +146,79 @@ def test_group_sharded_shim_does_nothing_on_a_cuda_build(monkeypatch):
     before = (paddle.device.get_all_custom_device_type, paddle.get_device)
     assert cpu_compat.install_group_sharded() is False
     assert (paddle.device.get_all_custom_device_type, paddle.get_device) == before
+# ---------------------------------------------------------------- fleet's pipeline engine on gloo
+
+def test_pipeline_shims_pin_what_fleet_reads():
+    """pipeline_on_gloo sets ParallelEnv._device_id (which PipelineLayer reads and paddle sets
+    for CUDA / XPU / custom builds only) and pp_configs.use_batch_p2p_comm False (the batched
+    path sends on the calc stream, refused by gloo): both still exist and are still read."""
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel
+    from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication
+
+    assert "dist.ParallelEnv().device_id" in inspect.getsource(pp_layers.PipelineLayer.__init__)
+    assert "self._device_id" in inspect.getsource(dist.ParallelEnv.device_id.fget)
+    env_src = inspect.getsource(dist.ParallelEnv.__init__)
+    assert "is_compiled_with_cuda()" in env_src and "self._device_id = int(" in env_src
+    assert "_batched_p2p_ops if batch_p2p_comm else _p2p_ops" in inspect.getsource(p2p_communication._p2p_helper)
+    assert ".use_batch_p2p_comm" in inspect.getsource(pipeline_parallel.PipelineParallel.__init__)
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"pp_degree": 2}
+    set_any = cpu_compat.pipeline_on_gloo(strategy)
+    assert set_any == (not paddle.is_compiled_with_cuda())
+    if set_any:
+        assert strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm is False
+        assert dist.ParallelEnv().device_id == 0
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_cpu_parallel_env_still_lacks_a_device_id():
+    """The reason for the _device_id shim: on a CPU build ParallelEnv never sets it."""
+    import paddle.distributed as dist
+
+    saved = dist.ParallelEnv.__dict__.get("_device_id")
+    if saved is not None:
+        del dist.ParallelEnv._device_id
+    try:
+        with pytest.raises(AttributeError):
+            dist.ParallelEnv().device_id
+    finally:
+        if saved is not None:
+            dist.ParallelEnv._device_id = saved
+
+
+def test_pair_routing_pins_the_p2p_path_it_redirects():
+    """route_p2p_over_pairs replaces p2p_communication's module-global `_hcg` by a view whose
+    pipeline group routes by peer: fleet must still take its p2p group from that global, and
+    paddle's send / recv must still ask the group for the peer's rank before its process_group.
+    (4 stages on gloo without it: a TIMEOUT; with it: tests/test_pipeline_fleet.py pp4 / vpp.)"""
+    import importlib
+
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    assert "_hcg = hcg" in inspect.getsource(p2p.initialize_p2p_groups)
+    assert "group = hcg.get_pipe_parallel_group()" in inspect.getsource(p2p._p2p_ops)
+    assert "_hcg.get_pipe_parallel_group()" in inspect.getsource(p2p.P2pHelper._send_meta)
+    for fn in ("send", "recv"):
+        mod = importlib.import_module(f"paddle.distributed.communication.stream.{fn}")
+        src = inspect.getsource(getattr(mod, fn))
+        # the peer's rank is asked first, then _<fn>_in_dygraph uses group.process_group
+        assert src.index("_get_or_throw_group_rank(") < src.index(f"_{fn}_in_dygraph("), fn
+        assert f"group.process_group.{fn}(" in inspect.getsource(getattr(mod, f"_{fn}_in_dygraph"))
+
+    class Pair:
+        def __init__(self, ranks):
+            self.ranks, self.process_group = ranks, object()
+
+        def get_group_rank(self, r):
+            return self.ranks.index(r)
+
+    class PP:
+        ranks, nranks, rank, id, name = [0, 1, 2], 3, 1, 7, "pp"
+
+    pairs = {0: Pair([0, 1]), 2: Pair([1, 2])}
+    routes = cpu_compat._PairRoutes(PP(), pairs)
+    assert routes.get_group_rank(2) == 1 and routes.process_group is pairs[2].process_group
+    assert routes.get_group_rank(0) == 0 and routes.process_group is pairs[0].process_group

@@ -3,8 +3,9 @@ and TP2 x PP2 on 4, each launch running all its cases (tests/launch_cases.py); t
 same function in this process at the same global batch. Models with a layer count that does not
 divide (3 blocks on 2 stages), variable-length data (padded and packed rows), clipping active,
 gradient accumulation 4. Compared: losses, grad norms, eval loss / accuracy, trained tensors
-(<= 1e-4 of the update). Asserted: each stage holds only its blocks, the send/recv trace is 1F1B
-with at most P micro-batches in flight. Dropout against one process: no (each stage draws its own
+(<= 1e-4 of the update). Asserted: each stage holds only its blocks, the step is driven by fleet's
+PipelineParallel, whose schedule (read through fleet's micro-step callbacks) is 1F1B with at most
+P micro-batches in flight. Dropout against one process: no (each stage draws its own
 layers' masks, in an order no single process follows); with dropout, TP2 x PP2 equals PP=2 (TP
 ranks of a stage draw the masks the PP=2 stage draws, so masks that differ across TP ranks show).
 """
@@ -110,10 +111,19 @@ def test_each_stage_holds_only_its_blocks(runs):
     assert "model.embed_tokens.weight" in q0 and "model.embed_tokens.weight" in q1
 
 
+def test_step_is_driven_by_fleets_pipeline_parallel(runs):
+    _, _, got, _ = runs
+    for name in PP2:
+        assert {r["pp_engine"] for r in got[name]} == {
+            "paddle.distributed.fleet.meta_parallel.pipeline_parallel.PipelineParallel"}, name
+
+
 def test_schedule_is_1f1b_with_at_most_p_in_flight(runs):
     """Accumulation 4 on 2 stages: the first stage runs F0 F1 B0 F2 B1 F3 B2 B3 (one warm-up
     forward), the last F0 B0 F1 B1 ...; at most 2 micro-batches in flight; every send has a
-    matching receive on the other stage, with the same shape."""
+    matching receive on the other stage, with the same shape. The trace is fleet's schedule as it
+    ran: its micro-step callbacks (FORWARD_BEGIN / BACKWARD_BEGIN ...) write F / B events, and a
+    stage input that came over p2p / an output sent on writes recv / send (pipeline.py)."""
     _, _, got, _ = runs
     t0, t1 = (r["trace"] for r in got["llama3_sft"])
     order = lambda t: [f"{e[0]}{e[1]}" for e in t if e[0] in ("F", "B")][:8]  # noqa: E731

@@ -47,8 +47,7 @@ FOUR = {
     "tp2_stage1": {"sharding": "stage1", "tp": 2, "micro": 2},
     "tp2_stage2": {"sharding": "stage2", "tp": 2, "micro": 2},
     "tp2_stage3_lora": {"sharding": "stage3", "tp": 2, "micro": 2, "method": "lora", "lr": 2e-2},
-    "pp2_stage3": {"sharding": "stage3", "pp": 2, "micro": 2},
-}
+}   # (pp2_stage3 is refused since issue 29: test_pipeline_with_sharding_stage2_3_is_refused)
 SINGLE = {"sft": {}, "lora": {"method": "lora", "lr": 2e-2},   # micro 4 x accumulation 2
           "nf4_lora": {"method": "qlora", "quant": "nf4", "lr": 2e-2}, "rdrop": {"rdrop": True}}
 # resumed from a checkpoint-3 written under another layout: (checkpoint's run, train_case kwargs)
@@ -311,6 +310,29 @@ def test_stage1_offload_is_refused_on_a_gpu_build_only(monkeypatch):
     check_offload(args("stage1 offload"), dict(deg, pp=2))
     check_offload(args("stage1 offload"), dict(deg, sharding=1))
     check_offload(args("stage1"), deg)
+def test_pipeline_with_sharding_stage2_3_is_refused(monkeypatch):
+    """fleet has no pipeline path for sharding stages 2 / 3 (issue 29): one line from the
+    arguments (before anything is loaded), the same from the layout for a Trainer built in
+    Python; stage 1 under PP is accepted."""
+    from paddletune import args as A
+    from paddletune.args import ArgumentError
+    from paddletune.parallel.sharding import for_trainer
+    from paddletune.parallel.topology import Topology
+
+    base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o",
+            "pipeline_parallel_degree": 2, "sharding_parallel_degree": 2}
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    for stage in (2, 3):
+        with pytest.raises(ArgumentError) as e:
+            A.build(dict(base, sharding=f"stage{stage}"), warn=lambda m: None)
+        msg = str(e.value)
+        assert f"'sharding' sharding stage{stage} with pipeline_parallel_degree > 1" in msg
+        assert "fleet has no pipeline path" in msg and "\n" not in msg
+        args = A.build(dict(base, sharding="stage1"), warn=lambda m: None)[-1]
+        args.sharding = f"stage{stage}"
+        topo = Topology(world_size=4, degrees={"dp": 1, "pp": 2, "sharding": 2, "tp": 1})
+        with pytest.raises(ValueError, match="fleet has no pipeline path"):
+            for_trainer(args, topo, [])
 
 
 def test_offloaded_adamw_equals_the_device_update():

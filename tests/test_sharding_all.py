@@ -1,12 +1,8 @@
 """Everything in one run (PaddleNLP's claim): nf4 QLoRA on a quantized backbone under TP2 x PP2 x
-sharding over 2 ranks = 8 launched processes, three cases in ONE launch (pp4: DP2 x PP4 with a
-checkpoint, below):
+sharding stage1 over 2 ranks = 8 launched processes, two cases in ONE launch (pp4: DP2 x PP4 with
+a checkpoint, below). (TP2 x PP2 x sharding stage3 ran here until issue 29: fleet has no pipeline
+path for sharding stages 2 / 3, so PP x stage 2/3 is refused; test_sharding.py tests the refusal.)
 
-stage3  (tp_cases.train_case, a tiny 4-block Llama): losses, grad norms, eval and the trained
-        adapter tensors equal one process at the same global batch (micro 2 x accumulation 2 x 2
-        data ranks = 4 x 2); per rank the AdamW state, the gradients after the reduction and the
-        resident trainable values between steps are half of the rank's tensor- and
-        pipeline-parallel slice.
 stage1  (llm/finetune_generation.py's main, issue 36's command on a 3-block GQA Llama): the
         script's whole path — evaluation during training and at the end with a dev set whose one
         eval batch leaves the second data rank without any (the replicas then exchange unequal
@@ -70,9 +66,9 @@ def runs(tmp_path_factory):
     ck1 = hf_checkpoint(base / "ck3", "llama", seed=3, num_hidden_layers=3)[0]
     data = _sft_data(base / "data")
     kw = {"method": "qlora", "quant": "nf4", "lr": 2e-2}
-    got = launch_cases([("stage3", "tp_cases:train_case", dict(kw, ckpt=ck3, out_dir=str(base / "s3"), micro=2,
-                                                               tp=2, pp=2, sharding="stage3")),
-                        ("pp4", "tp_cases:train_case", dict(kw, ckpt=ck3, out_dir=str(base / "pp4"), micro=2,
+    # (tp2 x pp2 x sharding stage3 is refused since issue 29: fleet has no pipeline path for
+    # stages 2 / 3; tests/test_sharding.py::test_pipeline_with_sharding_stage2_3_is_refused)
+    got = launch_cases([("pp4", "tp_cases:train_case", dict(kw, ckpt=ck3, out_dir=str(base / "pp4"), micro=2,
                                                             pp=4, save_steps=2)),
                         ("stage1", "tp_cases:script_main",
                          {"relpath": SCRIPT, "argv": _stage1_argv(ck1, data, str(base / "s1"), 2, True)})],
@@ -81,20 +77,6 @@ def runs(tmp_path_factory):
     r = run_script([os.path.join(ROOT, SCRIPT)] + _stage1_argv(ck1, data, str(base / "s1_single"), 4, False))
     assert r.returncode == 0, r.stderr[-3000:]
     return base, got, ref3, ck1
-
-
-def test_qlora_tp2_pp2_sharding_stage3_on_eight_processes(runs):
-    from test_sharding import _compare
-
-    base, got, ref, _ = runs
-    got = got["stage3"]
-    _compare(got, ref, base / "s3", base / "s3_single")
-    assert got[0]["degrees"] == {"dp": 1, "pp": 2, "sharding": 2, "tp": 2}
-    for r in got:
-        h, total = r["held"][-1], r["trainable_numel"]
-        assert h["optimizer_numel"] == total          # 2 moments of half the slice
-        assert h["shard"]["grad_numel"] == h["resident"] == total // 2, h
-    assert len({frozenset(r["shapes"]) for r in got}) == 2   # two pipeline stages' tensors
 
 
 def test_qlora_dp2_pp4_with_a_checkpoint_on_eight_processes(runs):

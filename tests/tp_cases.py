@@ -14,6 +14,7 @@ differs between layouts: partial sums over TP ranks) flip sign and differ by a w
 larger epsilon keeps the update proportional to the gradient there, so the comparison measures
 the gradients' agreement, not AdamW's amplification of rounding noise.
 """
+import contextlib
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
                zero_padding=False, trace=False, recompute_granularity="full", sharding="",
-               sharding_degree=-1):
+               sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False):
     import numpy as np
     import paddle
 
@@ -67,11 +68,11 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                          per_device_eval_batch_size=4, adam_epsilon=adam_epsilon,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                          resume_from_checkpoint=resume, sharding=sharding,
-                         sharding_parallel_degree=sharding_degree)
+                         sharding_parallel_degree=sharding_degree, virtual_pp_degree=vpp)
     topo = parallel.init(args)
     runtime.set_seed(0)
     q = QuantArgument(weight_quantize_algo=quant) if quant else None
-    model = load_model(ckpt, topology=topo, quant=q)
+    model = load_model(ckpt, topology=topo, quant=q, dtype=dtype)
     margs = ModelArgument(model_name_or_path=ckpt, lora=method in ("lora", "qlora"), lora_rank=4,
                           lora_dropout=lora_dropout, prefix_tuning=method == "prefix",
                           num_prefix_tokens=3, adapter=method == "adapter", adapter_size=8,
@@ -89,7 +90,13 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
     pipe = getattr(model, "pipeline", None)
     if pipe is not None and trace:
         pipe.trace = []
+    collate = None
+    if fixed_length:   # every batch padded to one length (fleet's interleaved schedule's shape cache)
+        from paddletune.data.collate import pad_batch
+
+        collate = lambda ex: pad_batch(ex, 0, length=fixed_length)  # noqa: E731
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=dev, trainable=setup.trainable,
+                      collate=collate,
                       export_fn=lambda d: None, topology=topo, loss_fn=setup.loss_fn, train_source=source,
                       callbacks=[lambda tr, info: marks.append(len(tr.par.tp.log) if tr.par.tp else 0),
                                  lambda tr, info: held.append(_holdings(tr, info))])
@@ -102,8 +109,13 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         shard.release(trainer.trainable)
     if tpg is not None:
         tpg.log = []
-    with engine_reshards.record(enabled=record and tpg is not None) as rec:
+    from paddletune.parallel import recorder
+
+    with engine_reshards.record(enabled=record and tpg is not None) as rec, \
+            (recorder.record() if p2p else contextlib.nullcontext([])) as wire:
         trainer.train()
+    p2p_log = [{k: e[k] for k in ("op", "ranks", "shapes", "dtypes", "bytes")} for e in wire
+               if e["level"] == "pg" and e["op"] in ("send", "recv")]
     comm = list(tpg.log[:marks[-1]]) if tpg is not None else []   # the training steps only
     widths = []
     orig = trainer.loss_fn
@@ -124,9 +136,13 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "eval_logits_width": widths[0] if widths else None, "comm": comm,
               "engine_reshards": dict(rec.calls), "rank": topo.rank,
               "trace": pipe.trace if pipe is not None and trace else None,
+              "p2p": p2p_log if p2p else None,
+              "pp_engine": (f"{type(pipe.engine).__module__}.{type(pipe.engine).__name__}"
+                            if pipe is not None else None),
               "stage": topo.pp_rank, "held": held, "degrees": topo.degrees,
               # which engine updates: fleet's wrappers down to paddle's optimizer (None: ours)
               "optimizer_chain": trainer.par.hybrid.chain if trainer.par.hybrid is not None else None,
+              "held_dtypes": {n: str(p.dtype) for n, p in trainer.trainable.items()},
               "trainable_numel": sum(paddle_numel(p) for p in trainer.trainable.values()),
               "trainable_count": len(trainer.trainable)}
     state = _gather_trainable(model, trainer, tpg)

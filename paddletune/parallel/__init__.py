@@ -51,7 +51,17 @@ def init(training_args=None):
         groups = engine.check_groups(hcg, rank, degrees)
         groups.update(_make_groups(rank, degrees, world, ep))
     return Topology(world_size=world, rank=rank, degrees=degrees,
-                    coords=coordinates(rank, degrees), groups=groups, ep_degree=ep, hcg=hcg)
+                    coords=coordinates(rank, degrees), groups=groups, ep_degree=ep, hcg=hcg,
+                    pipeline=_pipeline_settings(training_args))
+
+
+def _pipeline_settings(args):
+    """What fleet's pipeline engine needs from the training arguments (pipeline.py)."""
+    if args is None:
+        return {}
+    return {"virtual": max(int(getattr(args, "virtual_pp_degree", 1) or 1), 1),
+            "accumulate_steps": max(int(args.gradient_accumulation_steps), 1),
+            "micro_batch_size": int(args.per_device_train_batch_size)}
 
 
 def _make_groups(rank, degrees, world, ep=1):

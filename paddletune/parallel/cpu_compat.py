@@ -39,6 +39,21 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    a custom device for those three callers only (the caller's file and function are checked),
    gives that one caller "cpu:0", and passes convert_gpu=False (the copy into the storage buffer happens either way). Measured
    (PARALLEL_NOTES.md): with these, stage 2 and 3 equal one process on gloo.
+5. fleet's pipeline engine (`pipeline_on_gloo`, parallel/pipeline.py): PipelineLayer.__init__
+   reads `ParallelEnv().device_id`, whose `_device_id` paddle sets for CUDA / XPU / custom
+   builds only (distributed/parallel.py:757-764: AttributeError on CPU) -> 0; and
+   `pp_configs.use_batch_p2p_comm` off: batched p2p (batch_isend_irecv) sends on the calc
+   stream, which gloo refuses; the plain isend / irecv path is fleet's own alternative.
+6. fleet's pipeline p2p on 3+ stages (`route_p2p_over_pairs`): fleet sends activations,
+   gradients and their meta messages over the whole pipeline group (p2p_communication's `_hcg.
+   get_pipe_parallel_group()`). A gloo process group numbers every operation, sends and
+   receives included, from one per-group counter and uses the number as the message tag, so a
+   send matches its receive only if both ranks issued equally many operations on the group
+   before; a middle stage talks to two neighbours, and its counter runs ahead of theirs (4
+   stages: a gloo TIMEOUT in the first step). NCCL matches p2p per peer. On gloo the module's
+   `_hcg` becomes a view of fleet's hcg whose pipeline group routes each send / receive to the
+   2-rank group of the two stages (created collectively, one TCPStore each as in 1.); all
+   other calls go to fleet's hcg unchanged. 2 stages need nothing (the group is the pair).
 """
 import contextlib
 import os
@@ -265,3 +280,72 @@ def install_group_sharded():
     paddle.get_device = get_device
     storage.ParamStorage.add_rank_params = add_rank_params
     return True
+def pipeline_on_gloo(strategy):
+    """Settings fleet's PipelineParallel needs on a CPU (gloo) build, on `strategy` (fleet's
+    DistributedStrategy) before fleet.distributed_model: ParallelEnv._device_id = 0 (once) and
+    hybrid_configs.pp_configs.use_batch_p2p_comm = False. Returns whether anything was set
+    (nothing on CUDA builds)."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    import paddle.distributed as dist
+
+    if not hasattr(dist.ParallelEnv(), "_device_id"):
+        dist.ParallelEnv._device_id = 0
+    strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm = False
+    return True
+
+
+class _PairRoutes:
+    """Stands in for the pipeline group in fleet's p2p module on gloo: dist.send / isend / recv /
+    irecv ask it for the peer's rank in the group (_get_or_throw_group_rank), then for its
+    process_group; both answer with the 2-rank group of this rank and that peer."""
+
+    def __init__(self, pp_group, pairs):
+        self._pp, self._pairs, self._peer = pp_group, pairs, None
+        self.ranks, self.nranks, self.rank = pp_group.ranks, pp_group.nranks, pp_group.rank
+        self.id, self.name = pp_group.id, pp_group.name
+
+    def is_member(self):
+        return True
+
+    def get_group_rank(self, rank):
+        self._peer = rank
+        return self._pairs[rank].get_group_rank(rank)
+
+    @property
+    def process_group(self):
+        return self._pairs[self._peer].process_group
+
+
+class _HcgWithPairs:
+    def __init__(self, hcg, routes):
+        self._hcg, self._routes = hcg, routes
+
+    def get_pipe_parallel_group(self):
+        return self._routes
+
+    def __getattr__(self, name):
+        return getattr(self._hcg, name)
+
+
+def route_p2p_over_pairs(hcg, stage_ranks_of, world):
+    """On gloo with 3+ pipeline stages, fleet's p2p module (already initialized by
+    PipelineParallel) sends over 2-rank groups (shim 6). stage_ranks_of(rank) -> the global
+    ranks of rank's pipeline, in stage order. Every rank calls this (the groups are created
+    collectively). Returns the {peer: group} routes, or None where nothing was changed."""
+    if paddle.is_compiled_with_cuda() or hcg.get_pipe_parallel_world_size() <= 2:
+        return None
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    me = paddle.distributed.get_rank()
+    pipelines = sorted({tuple(stage_ranks_of(r)) for r in range(world)})
+    n = len(pipelines[0])
+    pairs = {}
+    for s in range(n):   # the boundary s -> s + 1 (and the ring's last -> first), every pipeline
+        for pipe in pipelines:
+            a, b = pipe[s], pipe[(s + 1) % n]
+            group = new_group([a, b], world)
+            if me in (a, b):
+                pairs[b if me == a else a] = group
+    p2p._hcg = _HcgWithPairs(hcg, _PairRoutes(hcg.get_pipe_parallel_group(), pairs))
+    return pairs

@@ -32,7 +32,6 @@ Who sums the data-parallel gradients, by layout:
   fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
 import contextlib
-import dataclasses
 
 import numpy as np
 import paddle
@@ -166,16 +165,11 @@ class Parallel:
             return per_micro(micro_batches) if self.dp is None else self.dp.run(micro_batches, per_micro)
         loss_of = hidden_loss_for(self.model)
         tensors = [{k: paddle.to_tensor(v) for k, v in b.items() if k in keys} for b in micro_batches]
-        dp = self._hybrid_factor()
-
         # fleet's dp mean (data.FleetDataParallel): the last stage back-propagates loss_sum x dp;
-        # the summed loss it returns is divided back (exact for a power-of-two dp)
-        def stage_loss(h, b):
-            out = loss_of(self.model, h, b["labels"])
-            return out if dp == 1 else dataclasses.replace(out, loss_sum=out.loss_sum * dp)
-
-        acc = self.pp.train_step(tensors, stage_loss, n_global)
-        return self.pp.sum_over_stages(acc if dp == 1 else acc / dp)
+        # the logged sum is loss_sum itself
+        acc = self.pp.train_step(tensors, lambda h, b: loss_of(self.model, h, b["labels"]), n_global,
+                                 scale=float(self._hybrid_factor()))
+        return self.pp.sum_over_stages(acc)
 
     def _hybrid_factor(self):
         return 1 if self.hybrid is None else self.hybrid.degree

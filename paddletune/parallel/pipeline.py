@@ -1,43 +1,59 @@
-"""Pipeline parallelism: the decoder split into stages, one 1F1B schedule over point-to-point sends.
+"""Pipeline parallelism on fleet's engine: the model as a `PipelineLayer`, run by `PipelineParallel`
+(1F1B) or `PipelineParallelWithInterleave` (virtual_pp_degree > 1).
 
-Stage s of P holds a contiguous run of decoder blocks (`stage_layers`: as even as possible, the
-first stages take the extra ones); the first stage also holds the embedding, the last the final
-norm, the head and the loss. Every rank of a replica reads the same batch, so each stage builds
-its own attention context (positions, masks, packed rows) from the micro-batch; only hidden
-states [mb, S, H] travel forward and their gradients backward.
+    pipe = Pipeline(model, topo)          # at load: which blocks this stage holds (owned / prune)
+    pipe.finalize(trainable)              # after PEFT: others' parts dropped, fleet's engine built
+    acc = pipe.train_step(micro_batches, loss_of, n_global)   # forward + backward, 1F1B
+    metrics = pipe.eval_batch(batch, metrics_of)              # forward only (last stage: metrics)
 
-Schedule (1F1B, non-interleaved; M micro-batches = gradient_accumulation_steps):
-    stage s runs w = min(P - 1 - s, M) warm-up forwards, then alternates one forward and one
-    backward, then the remaining w backwards. At most P - s micro-batches are in flight on stage
-    s (their activations kept for backward), whatever M is.
-Each activation is preceded by a 4-number int64 header (its shape), so every micro-batch may have
-its own length (padded SFT batches, packed rows): nothing is fixed at the first micro-batch.
-gloo's sends block until the peer receives, so a forward send and a backward receive between the
-same two stages are ordered by rank: the lower rank sends first, the higher receives first.
+The PipelineLayer's items, in model order: PipeEmbedding, PipeDecoderBlock 0 .. L-1, PipeFinalNorm;
+the loss (PipeLoss) is the last stage's loss function. Segmentation: without virtual stages a
+list of boundaries (stage_layers: as even as possible, the first stages take the extra blocks);
+with v virtual stages paddle's own "layer:PipeDecoderBlock" rule (blocks divisible by pp x v,
+asserted by paddle) and fleet.distributed_model picks the schedule (accumulation >= pp:
+PipelineParallelWithInterleave from 2 pp on, its F-then-B form below; less is refused by paddle).
+Items hold the stage's real modules (already loaded, PEFT-wrapped); other stages' items are
+empty placeholders, so a rank builds and loads nothing it does not run.
 
-Why not paddle's pipelining schedules (paddle 3.3.1, measured here): a PipelineStage given its
-input/output TensorMeta cannot run backward (KeyError in _shape_inference_bwd); without them it
-runs a whole extra forward and backward on zeros at start (drawing from the RNG, so dropout masks
-no longer match one process) and exchanges shapes with send_object_list (pickle), then fixes the
-receive buffers for every later step. The communication here is two functions (send_activation /
-recv_activation) over paddle.distributed.send / recv.
+What travels between stages (fleet's p2p, keyed tensors): the hidden states [B, S, H] and the
+micro-batch's position_ids / attention_mask / segment_ids [B, S] (whichever the batch has): each
+stage builds its own attention context from them (never a [B, 1, S, S] mask). fleet's meta
+message carries the sender's dtype, so a float64 (or bf16) model sends and receives its own.
+fleet's shape cache (pipeline_configs.p2p_cache_shape) fixes the shapes at the first micro-batch
+and suits fixed-shape data only. It is off here, always (the shipped configs included): padded
+SFT batches and packed rows change length per micro-batch, and evaluation batches differ from
+training ones even where training rows are packed to max_length. fleet then runs its dynamic-
+shape mode (pp_configs.enable_dynamic_shape): a meta message (shape, dtype, key; one host read)
+before every activation and every gradient, so a gradient's buffer has its micro-batch's shape.
 
-The loss: the last stage back-propagates loss_sum / N (N = target tokens of the global batch, as
-without pipelining), so gradients equal the single-process run's; logged losses are broadcast.
+The step: `forward_backward_pipeline` (fleet's 1F1B / interleaved schedule, p2p and the micro-
+batch loop), then the Trainer's own step (gradient sums over TP / tied / replicated tensors,
+global norm, clipping, divergence check, AdamW: layout.Parallel.step, through fleet's
+HybridParallelOptimizer under data parallel). Not `train_batch`: its optimizer step would skip
+the Trainer's clipping over the whole model's norm (summed over stages) and metrics. The loss:
+the last stage back-propagates loss_sum x dp / N (N = target tokens of the global batch), as
+one process does; fleet's division of each micro-batch loss by accumulate_steps is off
+(pp_configs.delay_scale_loss, which moves it into fleet's optimizer step, not run here).
 """
+import contextlib
 import time
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
+CTX_KEYS = ("position_ids", "attention_mask", "segment_ids")   # [B, S] each, when present
 
-def stage_layers(num_layers, num_stages, stage):
-    """range of the decoder blocks of `stage`: 5 blocks on 2 stages -> [0, 3) and [3, 5)."""
+
+def stage_layers(num_layers, num_stages, stage, virtual=1):
+    """The decoder blocks of `stage`: 5 blocks on 2 stages -> [0, 1, 2] and [3, 4]; with v virtual
+    stages (blocks divisible by stages x v) chunks stage, stage + P, ... of L / (P v) blocks."""
+    if virtual > 1:
+        per = num_layers // (num_stages * virtual)
+        return [i for c in range(stage, num_stages * virtual, num_stages) for i in range(c * per, (c + 1) * per)]
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
 class Absent(nn.Layer):
@@ -51,11 +67,11 @@ class Absent(nn.Layer):
         raise RuntimeError(f"{self.what} lives on another pipeline stage")
 
 
-def stage_parts(model, stage, num_stages):
+def stage_parts(model, stage, num_stages, virtual=1):
     """[(module, kept?, what)] of the stage-divided parts of the model: every decoder block, the
     embedding (first stage, and the last when it is tied to the head), the final norm and head
     (last stage). Everything else (a prefix encoder) is on every stage."""
-    keep = stage_layers(len(model.decoder_layers()), num_stages, stage)
+    keep = set(stage_layers(len(model.decoder_layers()), num_stages, stage, virtual))
     first, last = stage == 0, stage == num_stages - 1
     tied = model.get_output_embeddings() is None
     parts = [(layer, i in keep, f"decoder block {i}") for i, layer in enumerate(model.decoder_layers())]
@@ -66,11 +82,11 @@ def stage_parts(model, stage, num_stages):
     return parts
 
 
-def owned(model, stage, num_stages):
+def owned(model, stage, num_stages, virtual=1):
     """predicate(parameter name): whether this stage loads and trains the tensor."""
     absent = set()
-    for module, kept, _ in stage_parts(model, stage, num_stages):
-        if not kept:
+    for module, kept, _ in stage_parts(model, stage, num_stages, virtual):
+        if not kept and isinstance(module, nn.Layer):
             absent |= {id(p) for p in module.parameters()}
             absent |= {id(m) for m in module.sublayers(include_self=True)}
     names = {n for n, p in model.named_parameters() if id(p) in absent}
@@ -78,7 +94,7 @@ def owned(model, stage, num_stages):
     return lambda name: name not in names and name not in quantized
 
 
-def prune_to_stage(model, stage, num_stages):
+def prune_to_stage(model, stage, num_stages, virtual=1):
     """Replace what this stage does not hold by Absent modules (their parameters were never
     loaded: loading.load_model reads only the stage's). Done after PEFT wrapped the layers, so
     adapters are drawn as in one process and then dropped with the blocks they belong to. Names of
@@ -87,8 +103,8 @@ def prune_to_stage(model, stage, num_stages):
 
     names = {id(m): n for n, m in model.named_sublayers()}
     layers = model.decoder_layers()
-    for module, kept, what in stage_parts(model, stage, num_stages):
-        if kept:
+    for module, kept, what in stage_parts(model, stage, num_stages, virtual):
+        if kept or not isinstance(module, nn.Layer):
             continue
         if what.startswith("decoder block"):
             layers[int(what.rsplit(" ", 1)[1])] = Absent(what)
@@ -96,199 +112,355 @@ def prune_to_stage(model, stage, num_stages):
             replace_module(model, names[id(module)], Absent(what))
 
 
+# ---------------------------------------------------------------------- the PipelineLayer's items
+class _Item(nn.Layer):
+    """An item of the PipelineLayer. The Pipeline is kept outside paddle's sublayer registry (it
+    is not a Layer); `module`, this stage's real part, is a sublayer (the PipelineLayer's
+    parameters are the stage's)."""
+
+    def __init__(self, pipe, module=None):
+        super().__init__()
+        self._pipe = [pipe]
+        self.ends_chunk = False   # the last item of a chunk: what it sends is cleared after
+        if isinstance(module, nn.Layer) and not isinstance(module, Absent):
+            self.module = module
+
+    @property
+    def pipe(self):
+        return self._pipe[0]
+
+    def passed_on(self, x, h):
+        """{hidden, the [B, S] tensors} for the next item; copies at a chunk's end (fleet frees
+        the tensors it has sent, and the inputs stay alive for backward)."""
+        if self.ends_chunk and not paddle.is_grad_enabled() and self.pipe.virtual > 1:
+            # fleet's interleaved eval checks what it sends against the shapes cached in training,
+            # where the hidden states carry a gradient (its send message lists those only)
+            h.stop_gradient = False
+        out = {"hidden": h}
+        for k in CTX_KEYS:
+            if k in x:
+                out[k] = x[k].clone() if self.ends_chunk else x[k]
+        return out
+
+
+class PipeEmbedding(_Item):
+    def forward(self, x):
+        pipe, m = self.pipe, self.pipe.model
+        with pipe.local():
+            h = m.embed(x["input_ids"])
+            h = m.finish_embedding(h, pipe.context(x, h))
+        return self.passed_on(x, h)
+
+
+class PipeDecoderBlock(_Item):
+    def __init__(self, pipe, index, module=None):
+        super().__init__(pipe, module)
+        self.index = index
+
+    def forward(self, x):
+        pipe, m = self.pipe, self.pipe.model
+        h = x["hidden"]
+        h = m.run_layers(h, pipe.context(x, h), [m.decoder_layers()[self.index]])
+        return self.passed_on(x, h)
+
+
+class PipeFinalNorm(_Item):
+    """The final norm (-> the hidden states the loss takes); holds the head (and a tied
+    embedding's copy) as sublayers, which the loss uses."""
+
+    def __init__(self, pipe, module=None, head=None):
+        super().__init__(pipe, module)
+        if isinstance(head, nn.Layer) and not isinstance(head, Absent):
+            self.head = head
+
+    def forward(self, x):
+        with self.pipe.local():
+            return self.pipe.model.final_norm()(x["hidden"])
+
+
+class PipeLoss(nn.Layer):
+    """The last stage's loss function: (hidden, {"labels"}) -> loss_sum x scale (dp / N), in
+    float32 (fleet broadcasts the loss as float32 or float16 only). Each micro-batch's loss_sum
+    is kept (detached) for the Trainer's logged loss."""
+
+    def __init__(self, pipe):
+        super().__init__()
+        self._pipe = [pipe]
+
+    def forward(self, h, labels):
+        pipe = self._pipe[0]
+        with pipe.local():
+            out = pipe.loss_of(h, labels)
+        pipe.losses.append(out.loss_sum.detach())
+        return (out.loss_sum * pipe.loss_scale).astype("float32")
+
+
+_ACTIVE = []   # the Pipeline whose trace fleet's micro-step hooks write (registered once)
+
+
+def _hook(kind):
+    def hook(input_tensor=None, output_tensor=None, step_id=None, **_):
+        pipe = _ACTIVE[0] if _ACTIVE else None
+        if pipe is None or pipe.trace is None:
+            return
+        now = time.perf_counter()
+        if kind == "F":
+            if isinstance(input_tensor, dict) and "hidden" in input_tensor:   # received
+                pipe.trace.append(("recv", pipe.prev, list(input_tensor["hidden"].shape)))
+            pipe.trace.append(("F" if step_id is not None else "EF", step_id, now))
+        elif kind == "F_end":
+            pipe.trace.append(("F_end" if step_id is not None else "EF_end", step_id, now))
+            if isinstance(output_tensor, dict):                               # sent on
+                pipe.trace.append(("send", pipe.next, list(output_tensor["hidden"].shape)))
+        else:
+            pipe.trace.append((kind, step_id, now))
+    return hook
+
+
+def _install_trace_hooks():
+    """fleet's micro-step callbacks (global in paddle) write the active Pipeline's trace:
+    ("F" | "B", micro-batch, time) at each forward / backward fleet's schedule starts, their
+    ends, ("recv" | "send", peer, hidden shape) where a stage's input came / output goes over p2p."""
+    if _hook in _ACTIVE_HOOKS:
+        return
+    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import (
+        PipelineParallelMicroStepLocations as L, register_global_pipeline_parallel_hook)
+
+    for loc, kind in ((L.FORWARD_BEGIN, "F"), (L.FORWARD_END, "F_end"), (L.BACKWARD_BEGIN, "B"),
+                      (L.BACKWARD_END, "B_end")):
+        register_global_pipeline_parallel_hook(loc, _hook(kind))
+    _ACTIVE_HOOKS.append(_hook)
+
+
+_ACTIVE_HOOKS = []
+
+
+@contextlib.contextmanager
+def _no_startup_broadcast(layer):
+    """fleet's PipelineParallel broadcasts every parameter over the dp / mp / sharding groups at
+    construction (sync_params_buffers, which skips `no_sync` tensors). Every rank here loaded the
+    same checkpoint (under TP its own slices, as DTensors fleet cannot tell are split: the mp
+    broadcast would overwrite them with rank 0's), so the broadcast is skipped."""
+    held = list(layer._obtain_parameters_buffers().values())
+    before = [getattr(t, "no_sync", None) for t in held]
+    for t in held:
+        t.no_sync = True
+    try:
+        yield
+    finally:
+        for t, b in zip(held, before):
+            t.no_sync = b if b is not None else False
+
+
 class Pipeline:
-    """This rank's stage: p2p neighbours, the 1F1B step, eval forward, and what the Trainer needs
-    (stage-local gradient norm, tied-embedding sync, logged-loss broadcast)."""
+    """This rank's stage: fleet's PipelineParallel over the model's PipelineLayer (built in
+    finalize, after PEFT), the step and eval forward through it, and what the Trainer needs
+    (stage-local gradient norm, tied-embedding sync, logged-loss sum)."""
 
     def __init__(self, model, topo):
         self.model, self.topo = model, topo
         self.stage, self.num_stages = topo.pp_rank, topo.pp_degree
+        self.virtual = int(topo.pipeline.get("virtual", 1))
         ranks = topo.ranks("pp")
         self.prev = ranks[self.stage - 1] if self.stage > 0 else None
         self.next = ranks[self.stage + 1] if self.stage < self.num_stages - 1 else None
         self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
-        self.layer_ids = stage_layers(len(model.decoder_layers()), self.num_stages, self.stage)
+        self.layer_ids = stage_layers(len(model.decoder_layers()), self.num_stages, self.stage, self.virtual)
         self.group = None if len(ranks) == topo.world_size else topo.groups["pp"]
-        self.trace = None   # when a list: ("F"|"B", micro-batch) and sends/recvs, in order
+        self.trace = None   # when a list: fleet's schedule as it ran (_install_trace_hooks)
         self.replicated = set()   # trainable names held whole on every stage (a prefix encoder)
+        self.engine = None        # fleet's PipelineParallel (finalize)
+        self.losses, self.loss_scale, self.loss_of = [], 1.0, None
+        self._ctx = {}
         tied = model.get_output_embeddings() is None and self.num_stages > 1
-        pairs = self._pair_groups(tied)
-        # point-to-point goes over the 2-rank group of the two stages (see _pair_groups)
-        self.prev_group = pairs.get((self.prev, topo.rank)) if self.prev is not None else None
-        self.next_group = pairs.get((topo.rank, self.next)) if self.next is not None else None
-        self.tied_group = pairs.get((ranks[0], ranks[-1])) if tied else None
-        # the tied embedding's name where this stage holds a copy (first and last stage)
+        # the tied embedding's two copies (first and last stage) get their gradients summed
+        self.tied_group = self._tied_group(ranks) if tied else None
         self.tied_name = None
         if tied and (self.first or self.last):
             w = model.get_input_embeddings().weight
             self.tied_name = next(n for n, p in model.named_parameters() if p is w)
 
-    def _pair_groups(self, tied):
-        """{(rank a, rank b): 2-rank group} of this rank: its pairs of adjacent stages (and the
-        {first, last stage} pair when the embedding is tied: its two copies get their gradients
-        summed there), each family created collectively by topology.create_groups.
-
-        Why point-to-point needs its own groups: a gloo process group gives every operation,
-        sends and receives included, the next number of one per-group counter as its tag, so
-        a collective matches only if every member issued equally many operations on the group
-        before it. Sends over the world group break that whenever replicas exchange different
-        numbers of activations (an evaluation whose last, short share leaves one data rank with
-        no batch; pipelines of 3+ stages, whose middle stages send and receive more than the
-        ends), and the next world collective (a checkpoint's all_gather) waits forever. On a
-        pair group every send has its receive, so both counters stay equal."""
+    def _tied_group(self, ranks):
+        """The {first, last stage} 2-rank group, created collectively (topology.create_groups);
+        with 2 stages fleet's pp group is that pair."""
+        if self.num_stages == 2:
+            return self.group
         from .topology import create_groups, group_ranks
 
-        def stages(r):
-            return group_ranks(r, self.topo.degrees, "pp")
+        group = create_groups(self.topo.rank, self.topo.world_size, lambda r: [
+            [group_ranks(r, self.topo.degrees, "pp")[0], group_ranks(r, self.topo.degrees, "pp")[-1]]])
+        return group if self.topo.rank in (ranks[0], ranks[-1]) else None
 
-        mine, ranks = {}, stages(self.topo.rank)
-        for s in range(self.num_stages - 1):   # the boundary between stage s and s + 1
-            g = create_groups(self.topo.rank, self.topo.world_size,
-                              lambda r, s=s: [[stages(r)[s], stages(r)[s + 1]]])
-            mine[(ranks[s], ranks[s + 1])] = g
-        if tied and self.num_stages > 2:       # (two stages: the boundary pair is that pair)
-            mine[(ranks[0], ranks[-1])] = create_groups(
-                self.topo.rank, self.topo.world_size, lambda r: [[stages(r)[0], stages(r)[-1]]])
-        return {pair: g for pair, g in mine.items() if self.topo.rank in pair}
+    # ------------------------------------------------------------------ the engine
+    def build_engine(self):
+        """The PipelineLayer of this stage's modules and fleet.distributed_model over it (after
+        prune_to_stage). fleet's settings (strategy.pipeline_configs / pp_configs) are set on
+        the job's strategy first; gloo's in cpu_compat.pipeline_on_gloo."""
+        from paddle.distributed import fleet
+        from paddle.distributed.fleet.meta_parallel import PipelineLayer
 
-    # ------------------------------------------------------------------ point to point
-    def _log(self, *event):
-        if self.trace is not None:
-            self.trace.append(event)
+        from .cpu_compat import pipeline_on_gloo
 
-    def _pair(self, peer):
-        return self.prev_group if peer == self.prev else self.next_group
-
-    def send_activation(self, t, peer, grad=False):
-        if not grad:   # the receiver learns the shape first: every micro-batch may differ
-            header = paddle.to_tensor(np.array(list(t.shape) + [0] * (4 - t.ndim) + [t.ndim], np.int64))
-            dist.send(header, dst=peer, group=self._pair(peer))
-        self._log("send_grad" if grad else "send", peer, list(t.shape))
-        dist.send(t.contiguous() if hasattr(t, "contiguous") else t, dst=peer, group=self._pair(peer))
-
-    def recv_activation(self, peer, like=None):
-        """Receive an activation (shape from its header) or, with `like`, a gradient of its shape."""
-        if like is None:
-            header = paddle.zeros([5], "int64")
-            dist.recv(header, src=peer, group=self._pair(peer))
-            h = header.numpy().tolist()
-            shape = h[:h[4]]
+        cfg, m = self.topo.pipeline, self.model
+        strategy = fleet.fleet._user_defined_strategy
+        pipeline_on_gloo(strategy)
+        strategy.hybrid_configs["pp_configs"].delay_scale_loss = True
+        # variable lengths (module docstring): a meta message before every activation and gradient
+        # (without dynamic shape a gradient's buffer takes the last *sent* activation's shape);
+        # the interleaved schedule asserts the cache (fixed shapes: fixed_shape_batches)
+        cache = self.virtual > 1
+        strategy.hybrid_configs["pp_configs"].enable_dynamic_shape = not cache
+        strategy.pipeline_configs = {"accumulate_steps": int(cfg.get("accumulate_steps", 1)),
+                                     "micro_batch_size": int(cfg.get("micro_batch_size", 1)),
+                                     "p2p_cache_shape": cache}
+        L, mine = len(m.decoder_layers()), set(self.layer_ids)
+        items = [PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
+        items += [PipeDecoderBlock(self, i, m.decoder_layers()[i] if i in mine else None) for i in range(L)]
+        head = m.get_output_embeddings() or (m.get_input_embeddings() if self.tied_name else None)
+        items.append(PipeFinalNorm(self, m.final_norm() if self.last else None, head if self.last else None))
+        if self.virtual > 1:
+            seg, kw = "layer:PipeDecoderBlock", {"num_virtual_pipeline_stages": self.virtual}
         else:
-            shape = list(like.shape)
-        buf = paddle.zeros(shape, "float32" if like is None else like.dtype)
-        dist.recv(buf, src=peer, group=self._pair(peer))
-        self._log("recv_grad" if like is not None else "recv", peer, shape)
-        return buf
+            seg = [0] + [1 + stage_layers(L, self.num_stages, s)[0] for s in range(1, self.num_stages)]
+            seg, kw = seg + [L + 2], {}
+        layer = PipelineLayer(items, topology=self.topo.hcg.topology(), loss_fn=PipeLoss(self),
+                              seg_method=seg, **kw)
+        chunks = [c.get_run_function() for c in layer.get_model_chunks()] if self.virtual > 1 \
+            else [layer.run_function]
+        assert sorted(x.index for c in chunks for x in c if isinstance(x, PipeDecoderBlock)) == sorted(mine), \
+            "fleet's segmentation differs from the blocks this stage loaded"
+        for c in chunks:
+            c[-1].ends_chunk = True
+        _install_trace_hooks()
+        with _no_startup_broadcast(layer):
+            self.engine = fleet.distributed_model(layer)
+        from .cpu_compat import route_p2p_over_pairs
+        from .topology import group_ranks
 
-    def _exchange(self, send_t, recv_like, peer, grad_send):
-        """One send and one receive with the same peer, lower rank sending first (gloo blocks)."""
-        if self.topo.rank < peer:
-            self.send_activation(send_t, peer, grad_send)
-            return self.recv_activation(peer, recv_like)
-        got = self.recv_activation(peer, recv_like)
-        self.send_activation(send_t, peer, grad_send)
-        return got
+        route_p2p_over_pairs(self.topo.hcg, lambda r: group_ranks(r, self.topo.degrees, "pp"),
+                             self.topo.world_size)
+        return self.engine
 
-    # ------------------------------------------------------------------ compute
-    def forward_stage(self, batch, h=None):
-        """This stage's part of the forward for one micro-batch (tensors); returns hidden states
-        (after the final norm on the last stage)."""
-        m = self.model
-        ids = batch["input_ids"]
-        if self.first:
-            h = m.embed(ids)
-        ctx = m.context(ids.shape[0], ids.shape[1], batch.get("attention_mask"), batch.get("position_ids"),
-                        None, batch.get("segment_ids"), h.dtype)
-        h = m.run_layers(h, ctx, [m.decoder_layers()[i] for i in self.layer_ids])
-        return m.final_norm()(h) if self.last else h
-
-    def _local(self):
+    def local(self):
         """Under tensor parallelism the non-block parts run on their local shards too."""
         tp = getattr(self.model, "tensor_parallel", None)
         if tp is None:
-            import contextlib
-
             return contextlib.nullcontext()
         from .tensor import local_params
 
         return local_params(self.model, skip=list(self.model.decoder_layers()))
 
-    # ------------------------------------------------------------------ 1F1B
-    def train_step(self, micro_batches, loss_of, n_global):
-        """Forward and backward of this replica's micro-batches in 1F1B order (module docstring).
-        loss_of(hidden, batch) -> LossOutput on the last stage. Returns the summed loss_sum of
-        the micro-batches (the last stage's; 0 on the others), a float32 scalar tensor."""
-        M, P = len(micro_batches), self.num_stages
-        warm = min(P - 1 - self.stage, M)
-        self._log("step", M, time.perf_counter())
-        state = {}                        # micro-batch -> (stage input, output or scaled loss)
-        loss_acc = paddle.zeros([], "float32")
+    def context(self, x, h):
+        """The attention context of a micro-batch on this stage (positions, rope tables, mask,
+        a prefix's cache), built once from its [B, S] tensors and reused by the stage's blocks."""
+        refs = [x[k] for k in CTX_KEYS if k in x]
+        key = tuple(id(t) for t in refs) + (tuple(h.shape),)
+        hit = self._ctx.get(key) if refs else None
+        if hit is None:
+            with self.local():
+                ctx = self.model.context(h.shape[0], h.shape[1], x.get("attention_mask"), x.get("position_ids"),
+                                         None, x.get("segment_ids"), h.dtype)
+            hit = (refs, ctx)   # the tensors kept alive with it: their ids stay unique
+            if refs:
+                self._ctx[key] = hit
+        return hit[1]
 
-        def forward(k, h_in):
-            nonlocal loss_acc
-            self._log("F", k, time.perf_counter())
-            with self._local():
-                out = self.forward_stage(micro_batches[k], h_in)
-                if self.last:
-                    res = loss_of(out, micro_batches[k])
-                    loss_acc = loss_acc + res.loss_sum.detach().astype("float32")
-                    out = res.loss_sum / max(n_global, 1.0)
-            state[k] = (h_in, out)
-            self._log("F_end", k, time.perf_counter())
-            return None if self.last else out
+    def _data(self, batches):
+        """fleet's data argument: (inputs, labels), each {key: [tensor per micro-batch]}."""
+        keys = ["input_ids"] + [k for k in CTX_KEYS if k in batches[0]]
+        inputs = {k: [b[k] for b in batches] for k in keys}
+        return inputs, {"labels": [b["labels"] for b in batches]}
 
-        def backward(k, grad_out):
-            self._log("B", k, time.perf_counter())
-            h_in, out = state.pop(k)
-            if self.last:
-                out.backward()
-            else:
-                paddle.autograd.backward([out], [grad_out])
-            self._log("B_end", k, time.perf_counter())
-            return None if self.first else h_in.grad
+    def _set_accumulation(self, m):
+        e = self.engine
+        if e._dynamic_shape:   # fleet appends a meta record per p2p op (re-sent every time without
+            e._p2p_helper._dynamic_cnt = 0   # the cache): each step starts at the first again
+        if e.accumulate_steps != m:   # a shorter last step: fleet's hook counts follow
+            e.accumulate_steps = m
+            e._init_user_forward_backward_hooks()
 
-        def recv_input():
-            if self.first:
-                return None
-            h = self.recv_activation(self.prev)
-            h.stop_gradient = False
-            return h
-
-        for k in range(warm):
-            out = forward(k, recv_input())
-            if not self.last:
-                self.send_activation(out, self.next)
-        remaining = M - warm
-        h_in = recv_input() if remaining > 0 else None
-        for i in range(remaining):
-            out = forward(warm + i, h_in)
-            grad = None if self.last else self._exchange(out, state[i][1], self.next, False)
-            g_in = backward(i, grad)
-            if self.first:
-                continue
-            if i == remaining - 1:
-                self.send_activation(g_in, self.prev, grad=True)
-            else:
-                h_in = self._exchange(g_in, None, self.prev, True)
-                h_in.stop_gradient = False
-        for i in range(remaining, M):
-            grad = None if self.last else self.recv_activation(self.next, like=state[i][1])
-            g_in = backward(i, grad)
-            if not self.first:
-                self.send_activation(g_in, self.prev, grad=True)
-        self._log("step_end", M, time.perf_counter())
-        return loss_acc
+    # ------------------------------------------------------------------ a step
+    def train_step(self, micro_batches, loss_of, n_global, scale=1.0):
+        """Forward and backward of this replica's micro-batches by fleet's schedule. loss_of(
+        hidden, {"labels"}) -> LossOutput on the last stage; each micro-batch back-propagates
+        its loss_sum x scale / n_global. Returns the summed loss_sum of the micro-batches (the
+        last stage's; 0 on the others)."""
+        _ACTIVE[:] = [self]
+        if self.virtual > 1:
+            self._check_fixed(micro_batches)
+        self._set_accumulation(len(micro_batches))
+        self.losses, self.loss_of, self.loss_scale = [], loss_of, scale / max(n_global, 1.0)
+        self._ctx = {}
+        if self.trace is not None:
+            self.trace.append(("step", len(micro_batches), time.perf_counter()))
+        self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
+        if self.trace is not None:
+            self.trace.append(("step_end", len(micro_batches), time.perf_counter()))
+        self._ctx = {}
+        acc = paddle.zeros([], "float32")   # summed as the Trainer sums (float32, in order)
+        for loss in self.losses:
+            acc = acc + loss.astype("float32")
+        self.losses = []
+        return acc
 
     @paddle.no_grad()
     def eval_batch(self, batch, metrics_of):
-        """Forward only; the last stage returns metrics_of(hidden, batch), the others None."""
-        h = None if self.first else self.recv_activation(self.prev)
-        with self._local():
-            out = self.forward_stage(batch, h)
+        """Forward only (fleet's eval_batch); the last stage returns metrics_of(hidden, batch),
+        the others None. The model's train / eval mode is kept. With the shape cache (virtual
+        stages) the batch runs as the training step's micro-batches (fixed_shape_batches)."""
+        _ACTIVE[:] = [self]
+        training = self.model.training
+        parts, rows = ([batch], None) if self.virtual == 1 else self.fixed_shape_batches(batch)
+        self._set_accumulation(len(parts))
+        self._ctx = {}
+        out = self.engine.eval_batch(self._data(parts), compute_loss=False)
+        self._ctx = {}
+        self.model.train() if training else self.model.eval()
         if not self.last:
-            self.send_activation(out, self.next)
             return None
-        return metrics_of(out, batch)
+        h = out[0] if rows is None else paddle.concat(list(out))[:rows]
+        with self.local():
+            return metrics_of(h, batch)
+
+    # ------------------------------------------------------------------ fixed shapes (virtual stages)
+    def _check_fixed(self, micro_batches):
+        """fleet's interleaved schedule keeps the first step's shapes (its p2p cache, asserted
+        there): every step must have as many micro-batches of one shape."""
+        shapes = {tuple(b["input_ids"].shape) for b in micro_batches}
+        want = self.topo.pipeline.get("accumulate_steps", 1)
+        first = getattr(self, "_fixed_shape", None) or next(iter(shapes))
+        if len(shapes) != 1 or first not in shapes or len(micro_batches) != want:
+            raise ValueError(
+                f"virtual_pp_degree {self.virtual}: fleet's interleaved schedule needs every step to "
+                f"have {want} micro-batches of one shape (its p2p shape cache); this step has "
+                f"{len(micro_batches)} of shapes {sorted(shapes)}: use pad_to_max_length and a "
+                "dataset size that is a multiple of the global batch (dataloader_drop_last)")
+        self._fixed_shape = first
+
+    def fixed_shape_batches(self, batch):
+        """(micro-batches of the training step's shape, rows of `batch`): the rows split into
+        accumulate_steps micro-batches of micro_batch_size rows, filled up with copies of the
+        first row whose labels are all ignored (no targets: loss, counts and accuracy unchanged;
+        finite activations). Batches of more rows than one step holds are refused."""
+        import numpy as np
+
+        from ..data.collate import IGNORE
+
+        want = getattr(self, "_fixed_shape", None)
+        mb, m = int(self.topo.pipeline.get("micro_batch_size", 1)), int(self.topo.pipeline.get("accumulate_steps", 1))
+        rows = int(batch["input_ids"].shape[0])
+        if want is not None and int(batch["input_ids"].shape[1]) != want[1] or rows > mb * m:
+            raise ValueError(
+                f"virtual_pp_degree {self.virtual}: an evaluation batch of shape "
+                f"{list(batch['input_ids'].shape)} does not fit the training step's micro-batches "
+                f"({m} x {[mb, want[1] if want else '?']}): use pad_to_max_length and "
+                f"per_device_eval_batch_size <= {mb * m}")
+        idx = np.concatenate([np.arange(rows), np.zeros(mb * m - rows, np.int64)])
+        full = {k: paddle.gather(v, paddle.to_tensor(idx)) for k, v in batch.items()}
+        if rows < mb * m:
+            keep = paddle.to_tensor((np.arange(mb * m) < rows)[:, None])
+            full["labels"] = paddle.where(keep, full["labels"], paddle.full_like(full["labels"], IGNORE))
+        return [{k: v[i * mb:(i + 1) * mb] for k, v in full.items()} for i in range(m)], rows
 
     # ------------------------------------------------------------------ what the Trainer needs
     def sum_over_stages(self, t):
@@ -300,12 +472,13 @@ class Pipeline:
     def finalize(self, trainable):
         """After PEFT: drop what other stages hold (prune_to_stage) and note the trainable tensors
         every stage holds whole (they get their gradients summed over the stages). Returns the
-        names of `trainable` that stay on this stage."""
-        prune_to_stage(self.model, self.stage, self.num_stages)
+        names of `trainable` that stay on this stage. fleet's engine is built here."""
+        prune_to_stage(self.model, self.stage, self.num_stages, self.virtual)
         held = dict(self.model.named_parameters())
-        stage_ids = {id(p) for m, kept, _ in stage_parts(self.model, self.stage, self.num_stages) if kept
-                     for p in m.parameters()}
+        stage_ids = {id(p) for m, kept, _ in stage_parts(self.model, self.stage, self.num_stages, self.virtual)
+                     if kept and isinstance(m, nn.Layer) for p in m.parameters()}
         self.replicated = {n for n in trainable if n in held and id(held[n]) not in stage_ids}
+        self.build_engine()
         return [n for n in trainable if n in held]
 
     def counts_once(self, name):
@@ -334,8 +507,13 @@ class Pipeline:
         return grads
 
 
-def check_stages(config, num_stages):
-    """Refuse, before loading, a pipeline with more stages than decoder blocks."""
+def check_stages(config, num_stages, virtual=1):
+    """Refuse, before loading, a pipeline with more stages than decoder blocks, and (virtual
+    stages) a block count paddle's interleaved segmentation cannot divide."""
     if config.num_hidden_layers < num_stages:
         raise ValueError(f"pipeline_parallel_degree ({num_stages}) exceeds the model's "
                          f"num_hidden_layers ({config.num_hidden_layers}): every stage needs a block")
+    if virtual > 1 and config.num_hidden_layers % (num_stages * virtual):
+        raise ValueError(f"virtual_pp_degree {virtual}: the model's num_hidden_layers "
+                         f"({config.num_hidden_layers}) must be divisible by pipeline_parallel_degree x "
+                         f"virtual_pp_degree ({num_stages * virtual}; paddle's interleaved segmentation)")

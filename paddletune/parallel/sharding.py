@@ -469,6 +469,10 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
                   "on this CPU build host and device memory are the same, so it changes nothing")
     if stage == 0 or topo.sharding_degree <= 1:
         return None
+    if stage >= 2 and topo.pp_degree > 1:
+        from ..args import PP_STAGE23
+
+        raise ValueError(PP_STAGE23.format(stage=stage))
     fleet = on_fleet(stage, topo, model, offload)
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)

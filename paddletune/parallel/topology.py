@@ -129,6 +129,9 @@ class Topology:
     groups: Dict[str, object] = field(default_factory=dict)
     ep_degree: int = 1   # expert_parallel_degree (parallel/expert.py); 1 = off
     hcg: object = None   # fleet's HybridCommunicateGroup (parallel/engine.py); None alone
+    # pipeline settings from the training arguments (pipeline.py): virtual_pp_degree,
+    # accumulate_steps, micro_batch_size
+    pipeline: Dict[str, object] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- degrees and coordinates
     dp_degree = property(lambda self: self.degrees["dp"])
