@@ -59,9 +59,9 @@ def _pipeline_settings(args):
     """What fleet's pipeline engine needs from the training arguments (pipeline.py)."""
     if args is None:
         return {}
-    return {"virtual": max(int(getattr(args, "virtual_pp_degree", 1) or 1), 1),
-            "accumulate_steps": max(int(args.gradient_accumulation_steps), 1),
-            "micro_batch_size": int(args.per_device_train_batch_size)}
+    return {"virtual": max(int(getattr(args, "virtual_pp_degree", 1) or 1), 1),   # (any argument
+            "accumulate_steps": max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1),  # class)
+            "micro_batch_size": max(int(getattr(args, "per_device_train_batch_size", 1) or 1), 1)}
 
 
 def _make_groups(rank, degrees, world, ep=1):
