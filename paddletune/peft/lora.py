@@ -151,6 +151,8 @@ class _FoldedLoRA(paddle.autograd.PyLayer):
         ctx.save_for_backward(x, w, a, b, z)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
+        # decided here: under recompute the saved x comes back as a tensor rebuilt without grad
+        ctx.needs_dx = not x.stop_gradient
         return y
 
     @staticmethod
@@ -164,7 +166,7 @@ class _FoldedLoRA(paddle.autograd.PyLayer):
         db = paddle.matmul(z2, g2, transpose_x=True) * s           # [r, out]
         da = paddle.matmul(x2, dz, transpose_x=True)               # [in, r]
         dx = None
-        if not x.stop_gradient:
+        if ctx.needs_dx:
             dx = paddle.matmul(g, paddle.addmm(w, a, b, beta=1.0, alpha=s), transpose_y=True)
         grads = (dx, None, da, db)
         return grads + (None,) if ctx.has_bias else grads
