@@ -46,6 +46,8 @@ def lora_scaling(r, alpha, rslora=False):
 class LoRALinear(nn.Layer):
     """base_layer + s * lora_B(lora_A(dropout(x))); see the module docstring for shapes."""
 
+    fold = True   # _FoldedLoRA where it applies (_fusable); off: always the unfolded branch (A/B)
+
     def __init__(self, base_layer, r, alpha, dropout=0.0, rslora=False):
         super().__init__()
         dims = linear_dims(base_layer)
@@ -95,7 +97,7 @@ class LoRALinear(nn.Layer):
         tokens that forming W + s A B ([in, out]) costs less than the [tokens, out] branch it
         replaces (decode steps of a few tokens keep the branch)."""
         base, wa = self.base_layer, self.lora_A.weight
-        if (type(base) is not nn.Linear or self.between is not None or self.input_dropout is not None
+        if (not self.fold or type(base) is not nn.Linear or self.between is not None or self.input_dropout is not None
                 or (self.dropout > 0 and self.training) or base._forward_pre_hooks or base._forward_post_hooks):
             return False
         w, b = base.weight, base.bias
