@@ -93,19 +93,20 @@ class LoRALinear(nn.Layer):
 
     def _fusable(self, x):
         """The folded path (_FoldedLoRA) needs: a plain frozen float32 nn.Linear base without
-        hooks, no dropout mask in training, no tensor-parallel collective, no autocast, and enough
-        tokens that forming W + s A B ([in, out]) costs less than the [tokens, out] branch it
-        replaces (decode steps of a few tokens keep the branch)."""
+        hooks, no dropout mask in training, no tensor-parallel collective, no autocast, dygraph,
+        and enough tokens that forming W + s A B ([in, out]) costs less than the [tokens, out]
+        branch it replaces (decode steps of a few tokens keep the branch)."""
         base, wa = self.base_layer, self.lora_A.weight
-        if (not self.fold or type(base) is not nn.Linear or self.between is not None or self.input_dropout is not None
-                or (self.dropout > 0 and self.training) or base._forward_pre_hooks or base._forward_post_hooks):
+        if (not self.fold or type(base) is not nn.Linear or self.between is not None
+                or self.input_dropout is not None or (self.dropout > 0 and self.training)
+                or base._forward_pre_hooks or base._forward_post_hooks):
             return False
         w, b = base.weight, base.bias
         if not w.stop_gradient or (b is not None and not b.stop_gradient):
             return False
         if not (x.dtype == w.dtype == wa.dtype == self.lora_B.weight.dtype == paddle.float32):
             return False
-        if paddle.amp.is_autocast_enabled():
+        if paddle.amp.is_autocast_enabled() or not paddle.in_dynamic_mode():
             return False
         tokens = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
         return tokens * (self.in_features + self.out_features) >= self.in_features * self.out_features
