@@ -5,6 +5,9 @@ For a wrapped layer with input x [.., in] and frozen base y = base(x) [.., out]:
     s  = alpha / r        (alpha / sqrt(r) with rslora)
 A starts Kaiming-uniform (bound 1/sqrt(in), as torch's default Linear init), B starts at zero,
 so a fresh adapter is the identity. Only A and B get gradients and optimizer state.
+On a plain frozen float32 nn.Linear base (no dropout mask, no tensor parallelism) the forward runs
+folded, x (W + s A B) in one GEMM with a hand backward (_FoldedLoRA): the same values to float32
+rounding, without the branch's full-width [tokens, out] output, add and second dx.
 
 The wrapper keeps HF-PEFT's module names (q_proj.base_layer, q_proj.lora_A, q_proj.lora_B), so the
 adapter files are HF-PEFT's:
