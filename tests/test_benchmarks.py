@@ -26,3 +26,9 @@ def test_recompute_ab_smoke():
     r = run_script([os.path.join(ROOT, "benchmarks", "recompute_ab.py"), "--smoke"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert all(f"| 32 | {m} |" in r.stdout for m in ("off", "on, rerun", "on, reuse")), r.stdout
+
+
+def test_lora_fold_ab_smoke():
+    r = run_script([os.path.join(ROOT, "benchmarks", "lora_fold_ab.py"), "--smoke"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert all(f"| 32x2 | {m} |" in r.stdout for m in ("off", "on")), r.stdout
