@@ -70,9 +70,3 @@ def test_pipeline_replay_hand_worked():
     s1 = [("F", 0, 2.0), ("B", 0, 4.0), ("F", 0, 2.0), ("B", 0, 4.0)]
     assert ppr.replay([s0, s1], 2, 1, cost=lambda k: 1.0 if k == "F" else 2.0) == (9.0, [6.0, 6.0])
     assert ppr.replay([s0, s1], 2, 1) == (15.0, [6.0, 12.0])
-
-
-def test_lora_fold_ab_smoke():
-    r = run_script([os.path.join(ROOT, "benchmarks", "lora_fold_ab.py"), "--smoke"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert all(f"| 32x2 | {m} |" in r.stdout for m in ("off", "on")), r.stdout

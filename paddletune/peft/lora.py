@@ -5,9 +5,6 @@ For a wrapped layer with input x [.., in] and frozen base y = base(x) [.., out]:
     s  = alpha / r        (alpha / sqrt(r) with rslora)
 A starts Kaiming-uniform (bound 1/sqrt(in), as torch's default Linear init), B starts at zero,
 so a fresh adapter is the identity. Only A and B get gradients and optimizer state.
-On a plain frozen float32 nn.Linear base (no dropout mask, no tensor parallelism) the forward runs
-folded, x (W + s A B) in one GEMM with a hand backward (_FoldedLoRA): the same values to float32
-rounding, without the branch's full-width [tokens, out] output, add and second dx.
 
 The wrapper keeps HF-PEFT's module names (q_proj.base_layer, q_proj.lora_A, q_proj.lora_B), so the
 adapter files are HF-PEFT's:
@@ -49,8 +46,6 @@ def lora_scaling(r, alpha, rslora=False):
 class LoRALinear(nn.Layer):
     """base_layer + s * lora_B(lora_A(dropout(x))); see the module docstring for shapes."""
 
-    fold = True   # _FoldedLoRA where it applies (_fusable); off: always the unfolded branch (A/B)
-
     def __init__(self, base_layer, r, alpha, dropout=0.0, rslora=False):
         super().__init__()
         dims = linear_dims(base_layer)
@@ -74,9 +69,6 @@ class LoRALinear(nn.Layer):
         self.input_dropout = None
 
     def forward(self, x):
-        if not (self.merged or self.disabled) and self._fusable(x):
-            return _FoldedLoRA.apply(x, self.base_layer.weight, self.lora_A.weight, self.lora_B.weight,
-                                     self.base_layer.bias, self.scaling)
         y = self.base_layer(x)
         if self.merged or self.disabled:
             return y
@@ -93,26 +85,6 @@ class LoRALinear(nn.Layer):
         # (h A)(s B): the scale goes on the small [r, out] matrix, not on the [tokens, out] output
         delta = paddle.matmul(z, wb * self.scaling)
         return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
-
-    def _fusable(self, x):
-        """The folded path (_FoldedLoRA) needs: a plain frozen float32 nn.Linear base without
-        hooks, no dropout mask in training, no tensor-parallel collective, no autocast, dygraph,
-        and enough tokens that forming W + s A B ([in, out]) costs less than the [tokens, out]
-        branch it replaces (decode steps of a few tokens keep the branch)."""
-        base, wa = self.base_layer, self.lora_A.weight
-        if (not self.fold or type(base) is not nn.Linear or self.between is not None
-                or self.input_dropout is not None or (self.dropout > 0 and self.training)
-                or base._forward_pre_hooks or base._forward_post_hooks):
-            return False
-        w, b = base.weight, base.bias
-        if not w.stop_gradient or (b is not None and not b.stop_gradient):
-            return False
-        if not (x.dtype == w.dtype == wa.dtype == self.lora_B.weight.dtype == paddle.float32):
-            return False
-        if paddle.amp.is_autocast_enabled() or not paddle.in_dynamic_mode():
-            return False
-        tokens = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
-        return tokens * (self.in_features + self.out_features) >= self.in_features * self.out_features
 
     def delta_weight(self):
         """s * A @ B: [in, out], the change merge() adds to the paddle-layout base weight."""
@@ -137,45 +109,6 @@ class LoRALinear(nn.Layer):
         w = self.base_layer.weight
         w.set_value((w.astype("float32") - self.delta_weight()).astype(w.dtype))
         self.merged = False
-
-
-class _FoldedLoRA(paddle.autograd.PyLayer):
-    """y = x (W + s A B) + bias for a frozen float32 nn.Linear base, equal to
-    base(x) + s (x A) B up to float32 rounding, with the fewest [tokens, width] passes: the
-    unfused branch writes z (s B) [tokens, out], adds it to y (another three [tokens, out]
-    passes), and in backward writes the branch's dx [tokens, in] and adds it to the base's. Here
-    the forward is one GEMM on the folded weight plus z = x A [tokens, r]; the backward's dx is
-    one GEMM g (W + s A B)^T carrying both contributions, dz = s g B^T and dB = s z^T g read g,
-    dA = x^T dz reads x. The folded weight is formed again in backward, not kept (an [in, out]
-    copy per layer would be held from forward to backward: most of a model's weights again)."""
-
-    @staticmethod
-    def forward(ctx, x, w, a, b, bias, scaling):
-        folded = paddle.addmm(w, a, b, beta=1.0, alpha=scaling)
-        y = F.linear(x, folded, bias)
-        z = paddle.matmul(x, a)
-        ctx.save_for_backward(x, w, a, b, z)
-        ctx.scaling = scaling
-        ctx.has_bias = bias is not None
-        # decided here: under recompute the saved x comes back as a tensor rebuilt without grad
-        ctx.needs_dx = not x.stop_gradient
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, a, b, z = ctx.saved_tensor()
-        s = ctx.scaling
-        g2 = g.reshape([-1, g.shape[-1]])
-        x2 = x.reshape([-1, x.shape[-1]])
-        z2 = z.reshape([-1, z.shape[-1]])
-        dz = paddle.matmul(g2, b, transpose_y=True) * s            # [tokens, r]
-        db = paddle.matmul(z2, g2, transpose_x=True) * s           # [r, out]
-        da = paddle.matmul(x2, dz, transpose_x=True)               # [in, r]
-        dx = None
-        if ctx.needs_dx:
-            dx = paddle.matmul(g, paddle.addmm(w, a, b, beta=1.0, alpha=s), transpose_y=True)
-        grads = (dx, None, da, db)
-        return grads + (None,) if ctx.has_bias else grads
 
 
 def lora_layers(model):
