@@ -20,23 +20,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, hf_checkpoint, launch_cases
-from paddletune.models.hf import SafetensorsFile
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_pipeline_parallel import _stage_tensors as _tensors  # noqa: E402  (one reader of a run's tensor files)
 
 VPP = {"micro": 1, "accum": 8, "adam_epsilon": 1e-6, "fixed_length": 48, "trace": True}
 PP4 = {"micro": 1, "accum": 8, "adam_epsilon": 1e-6}
 F64 = {"micro": 2, "accum": 4, "adam_epsilon": 1e-6, "max_grad_norm": 0.0, "dtype": "float64"}
-
-
-def _tensors(run_dir, kind="trained"):
-    out = {}
-    for f in sorted(os.listdir(run_dir)):
-        if f.startswith(kind) and f.endswith(".safetensors"):
-            st = SafetensorsFile(os.path.join(run_dir, f))
-            for k in st.keys():
-                out.setdefault(k, st.get(k))
-    return out
 
 
 def _compare(ranks, single, run_dir, single_dir, loss_rtol, update_frac):
