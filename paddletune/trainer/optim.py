@@ -78,13 +78,9 @@ class AdamW:
             if getattr(t, "optimize_attr", None) is None:
                 t.optimize_attr = {}
             t.optimize_attr["learning_rate"] = float(self.lr_scales.get(n, 1.0))
-        order = list(self.targets.values())
-        if defer_state:   # sharded by paddle: largest first, so the greedy partition of
-            # group_sharded's stage 2 (list order) balances like fleet's V1 (which sorts itself)
-            order.sort(key=lambda t: -int(np.prod(t.shape)))
         self.opt = paddle.optimizer.AdamW(
             learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
-            parameters=order, apply_decay_param_fun=lambda pname: decay[pname],
+            parameters=list(self.targets.values()), apply_decay_param_fun=lambda pname: decay[pname],
             multi_precision=bool(multi_precision) and not offload)   # (offload keeps its own masters)
         self.held = []
         if not defer_state:
