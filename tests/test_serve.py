@@ -264,6 +264,26 @@ def test_start_refusals(caplog, tmp_path):
     assert (a.model_name_or_path, a.lora_path) == (BASE, str(tmp_path))
 
 
+def test_served_model_loads_in_the_requested_dtype():
+    """--dtype float64: the served model's parameters are float64 and its logits equal the
+    float32 load's (what predictor.py's --dtype does); the default keeps the checkpoint's dtype."""
+    import numpy as np
+    import paddle
+
+    from paddletune.loading import load_for_generation
+    from paddletune.serve import cli
+
+    ref, tok, _ = load_for_generation(BASE)
+    model = cli.load_served_model(cli.parse(["--model_name_or_path", BASE, "--dtype", "float64"]))[0]
+    assert {str(p.dtype) for p in model.parameters()} == {"paddle.float64"}
+    assert {str(p.dtype) for p in ref.parameters()} == {"paddle.float32"}
+    ids = paddle.to_tensor([tok.encode("def read_file(path):")])
+    with paddle.no_grad():
+        want, got = ref(ids), model(ids)
+    want, got = (np.asarray((x.logits if hasattr(x, "logits") else x).astype("float64")) for x in (want, got))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_throughput_benchmark_smoke(server):
     """benchmarks/serve_throughput.py against this server (2 requests of 4 tokens per level)."""
     from conftest import ROOT, run_script

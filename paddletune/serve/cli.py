@@ -37,6 +37,7 @@ class ServerArgument:
     max_length: Optional[int] = F(None, "prompt + answer tokens per request at most (default: the model's max positions, else 2048)")
     max_request_bytes: int = F(1 << 20, "largest request body accepted (413 above)")
     device: str = F("auto", "auto, cpu or gpu", choices=["auto", "cpu", "gpu"])
+    dtype: Optional[str] = F(None, "model dtype: float32, float16, bfloat16 or float64 (default: the checkpoint's torch_dtype, as llm/predictor.py); float16 / bfloat16 compute in float32 on CPU", choices=[None, "float32", "float16", "bfloat16", "float64"])
     tensor_parallel_degree: int = F(1, "refused above 1: the server runs on one process")
 
 
@@ -117,7 +118,8 @@ def load_served_model(a):
     with what predictor.py uses (loading.load_for_generation)."""
     from ..generation import checkpoint_defaults
     from ..loading import load_for_generation, load_tokenizer
-    from ..models import check_checkpoint, check_tokenizer, load_config, position_limit, resolve_model_path
+    from ..models import (check_checkpoint, check_tokenizer, declared_dtype, load_config, ops, position_limit,
+                          resolve_model_path)
 
     adapter_base(a)
     path = resolve_model_path(a.model_name_or_path)
@@ -136,7 +138,8 @@ def load_served_model(a):
     if max_length > limit:
         raise ArgumentError(f"max_length={max_length} is over the model's {limit} positions "
                             f"({path}/config.json)")
-    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path)
+    dtype = ops.compute_dtype(a.dtype, declared_dtype(config))   # --dtype, else the checkpoint's
+    model, tok, _ = load_for_generation(path, tok, a.lora_path, a.prefix_path, dtype=dtype)
     d = checkpoint_defaults(path, tok)
     eos, pad = d["eos_token_id"], d["pad_token_id"]
     return model, tok, path, eos, pad if pad is not None else (eos[0] if eos else 0), max_length
