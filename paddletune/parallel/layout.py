@@ -193,8 +193,9 @@ class Parallel:
             from .tensor import sum_replicated_grads
 
             grads = sum_replicated_grads(self.model, named, grads, self.tp)
-        if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
-            grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
+        if self.pp is not None:   # tensors every stage holds (a tied embedding's two copies were
+            # summed by fleet's shared comm at the end of forward_backward_pipeline: pipeline.py)
+            grads = self.pp.sum_replicated_grads(named, grads)
         if self.shard is not None and self.shard.fleet:   # fleet summed the owners' (data.py)
             grads = [g if self.shard.owns(n) else None for n, g in zip(names, grads)]
         elif self.shard is not None and self.shard.stage >= 2:

@@ -27,7 +27,8 @@ shape mode (pp_configs.enable_dynamic_shape): a meta message (shape, dtype, key;
 before every activation and every gradient, so a gradient's buffer has its micro-batch's shape.
 
 The step: `forward_backward_pipeline` (fleet's 1F1B / interleaved schedule, p2p and the micro-
-batch loop), then the Trainer's own step (gradient sums over TP / tied / replicated tensors,
+batch loop; at its end fleet all-reduces a tied embedding's gradient over its shared group:
+SharedLayerDesc), then the Trainer's own step (gradient sums over TP / replicated tensors,
 global norm, clipping, divergence check, AdamW: layout.Parallel.step, through fleet's
 HybridParallelOptimizer under data parallel). Not `train_batch`: its optimizer step would skip
 the Trainer's clipping over the whole model's norm (summed over stages) and metrics. The loss:
@@ -152,6 +153,46 @@ class PipeEmbedding(_Item):
         return self.passed_on(x, h)
 
 
+class PipeSharedEmbedding(PipeEmbedding):
+    """The tied embedding as fleet's shared layer (a SharedLayerDesc item, built by PipelineLayer
+    on the stages that hold a copy: the first, where it embeds, and the last, where the loss uses
+    its weight as the head). `weight` is the attribute fleet's shared comm names: the embedding's
+    own parameter (the loaded one, not a copy).
+
+    Under tensor parallelism that parameter is a DTensor (this rank's vocabulary rows), which
+    paddle's process-group calls cannot take (fleet's construction-time broadcast of it ends in
+    a segmentation fault in DenseTensor's copy, measured on gloo, TP2 x PP2): `weight` is then
+    the DTensor's local shard (same storage), and its gradient reaches fleet as that shard's
+    `main_grad` (fleet's shared all-reduce reads main_grad where a tensor has one), set after
+    every micro-batch's backward (share_grad, from fleet's BACKWARD_END micro-step hook) to the
+    local shard of the accumulated DTensor gradient: summed in place, the DTensor's gradient."""
+
+    def __init__(self, pipe, module=None):
+        super().__init__(pipe, module)
+        w = getattr(getattr(self, "module", None), "weight", None)
+        self._shard = [w._local_value()] if w is not None and w.is_dist() else None
+
+    @property
+    def weight(self):
+        return self.module.weight if self._shard is None else self._shard[0]
+
+    def share_grad(self):
+        g = self.module.weight.grad
+        if self._shard is not None and g is not None:
+            self._shard[0].main_grad = g._local_value()
+
+    def release_grad(self):
+        if self._shard is not None and hasattr(self._shard[0], "main_grad"):
+            del self._shard[0].main_grad
+
+
+def _head_copy(shared, h):
+    """The last stage's shared item (forward_func of its SharedLayerDesc): the hidden states pass
+    on unchanged; the head's matmul runs in the loss function (PipeLoss -> linear_ce: logits only
+    at the positions that carry a label), on this same weight."""
+    return h
+
+
 class PipeDecoderBlock(_Item):
     def __init__(self, pipe, index, module=None):
         super().__init__(pipe, module)
@@ -165,8 +206,8 @@ class PipeDecoderBlock(_Item):
 
 
 class PipeFinalNorm(_Item):
-    """The final norm (-> the hidden states the loss takes); holds the head (and a tied
-    embedding's copy) as sublayers, which the loss uses."""
+    """The final norm (-> the hidden states the loss takes); holds an untied head as a
+    sublayer, which the loss uses (a tied head is the last stage's PipeSharedEmbedding)."""
 
     def __init__(self, pipe, module=None, head=None):
         super().__init__(pipe, module)
@@ -201,6 +242,8 @@ _ACTIVE = []   # the Pipeline whose trace fleet's micro-step hooks write (regist
 def _hook(kind):
     def hook(input_tensor=None, output_tensor=None, step_id=None, **_):
         pipe = _ACTIVE[0] if _ACTIVE else None
+        if pipe is not None and kind == "B_end" and pipe.shared is not None:
+            pipe.shared.share_grad()   # (a DTensor's gradient for fleet's shared all-reduce)
         if pipe is None or pipe.trace is None:
             return
         now = time.perf_counter()
@@ -255,7 +298,7 @@ def _no_startup_broadcast(layer):
 class Pipeline:
     """This rank's stage: fleet's PipelineParallel over the model's PipelineLayer (built in
     finalize, after PEFT), the step and eval forward through it, and what the Trainer needs
-    (stage-local gradient norm, tied-embedding sync, logged-loss sum)."""
+    (stage-local gradient norm, replicated-tensor sums, logged-loss sum)."""
 
     def __init__(self, model, topo):
         self.model, self.topo = model, topo
@@ -272,24 +315,15 @@ class Pipeline:
         self.engine = None        # fleet's PipelineParallel (finalize)
         self.losses, self.loss_scale, self.loss_of = [], 1.0, None
         self._ctx = {}
-        tied = model.get_output_embeddings() is None and self.num_stages > 1
-        # the tied embedding's two copies (first and last stage) get their gradients summed
-        self.tied_group = self._tied_group(ranks) if tied else None
+        # a tied embedding: one copy on the first stage, one on the last, fleet's shared layer
+        # (SharedLayerDesc) on both; fleet sums the copies' gradients over its shared group
+        self.tied = model.get_output_embeddings() is None and self.num_stages > 1
         self.tied_name = None
-        if tied and (self.first or self.last):
+        if self.tied and (self.first or self.last):
             w = model.get_input_embeddings().weight
             self.tied_name = next(n for n, p in model.named_parameters() if p is w)
-
-    def _tied_group(self, ranks):
-        """The {first, last stage} 2-rank group, created collectively (topology.create_groups);
-        with 2 stages fleet's pp group is that pair."""
-        if self.num_stages == 2:
-            return self.group
-        from .topology import create_groups, group_ranks
-
-        group = create_groups(self.topo.rank, self.topo.world_size, lambda r: [
-            [group_ranks(r, self.topo.degrees, "pp")[0], group_ranks(r, self.topo.degrees, "pp")[-1]]])
-        return group if self.topo.rank in (ranks[0], ranks[-1]) else None
+        self.trainable = set()    # (finalize) the trainable names this stage holds
+        self.shared = None        # (build_engine) this stage's PipeSharedEmbedding, if it holds one
 
     # ------------------------------------------------------------------ the engine
     def build_engine(self):
@@ -314,17 +348,25 @@ class Pipeline:
                                      "micro_batch_size": int(cfg.get("micro_batch_size", 1)),
                                      "p2p_cache_shape": cache}
         L, mine = len(m.decoder_layers()), set(self.layer_ids)
-        items = [PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
+        items = [self._shared_embedding("first") if self.tied else
+                 PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
         items += [PipeDecoderBlock(self, i, m.decoder_layers()[i] if i in mine else None) for i in range(L)]
-        head = m.get_output_embeddings() or (m.get_input_embeddings() if self.tied_name else None)
+        head = m.get_output_embeddings()
         items.append(PipeFinalNorm(self, m.final_norm() if self.last else None, head if self.last else None))
+        if self.tied:
+            items.append(self._shared_embedding("last"))
         if self.virtual > 1:
             seg, kw = "layer:PipeDecoderBlock", {"num_virtual_pipeline_stages": self.virtual}
         else:
             seg = [0] + [1 + stage_layers(L, self.num_stages, s)[0] for s in range(1, self.num_stages)]
-            seg, kw = seg + [L + 2], {}
-        layer = PipelineLayer(items, topology=self.topo.hcg.topology(), loss_fn=PipeLoss(self),
-                              seg_method=seg, **kw)
+            seg, kw = seg + [len(items)], {}
+        # fleet's shared comm creates its groups with paddle.distributed.new_group (cpu_compat 1)
+        from .cpu_compat import fleet_groups
+
+        with fleet_groups(self.topo.world_size):
+            layer = PipelineLayer(items, topology=self.topo.hcg.topology(), loss_fn=PipeLoss(self),
+                                  seg_method=seg, **kw)
+        self.shared = layer.shared_layers["tied_embedding"] if "tied_embedding" in layer.shared_layers else None
         chunks = [c.get_run_function() for c in layer.get_model_chunks()] if self.virtual > 1 \
             else [layer.run_function]
         assert sorted(x.index for c in chunks for x in c if isinstance(x, PipeDecoderBlock)) == sorted(mine), \
@@ -340,6 +382,22 @@ class Pipeline:
         route_p2p_over_pairs(self.topo.hcg, lambda r: group_ranks(r, self.topo.degrees, "pp"),
                              self.topo.world_size)
         return self.engine
+
+    def _shared_embedding(self, end):
+        """The tied embedding's SharedLayerDesc for the first (embeds) or last (head) stage. fleet
+        builds a PipeSharedEmbedding on each stage whose segment holds the item, joins the two
+        stages' ranks of every pipeline in a shared group (paddle.distributed.new_group), at
+        construction broadcasts the weight from the first stage (both loaded it: a no-op), and at
+        the end of forward_backward_pipeline all-reduces the copies' gradients over that group
+        (PipelineLayer.allreduce_shared_weight_gradients). A frozen tied embedding (LoRA) shares
+        no attribute: nothing to sum, no gradient made for it."""
+        from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
+
+        emb = self.model.get_input_embeddings()
+        held = self.first if end == "first" else self.last
+        attrs = ["weight"] if self.tied_name in self.trainable else []
+        return SharedLayerDesc("tied_embedding", PipeSharedEmbedding, None if end == "first" else _head_copy,
+                               attrs, pipe=self, module=emb if held else None)
 
     def local(self):
         """Under tensor parallelism the non-block parts run on their local shards too."""
@@ -393,7 +451,11 @@ class Pipeline:
         self._ctx = {}
         if self.trace is not None:
             self.trace.append(("step", len(micro_batches), time.perf_counter()))
-        self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
+        try:
+            self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
+        finally:
+            if self.shared is not None:
+                self.shared.release_grad()
         if self.trace is not None:
             self.trace.append(("step_end", len(micro_batches), time.perf_counter()))
         self._ctx = {}
@@ -478,6 +540,7 @@ class Pipeline:
         stage_ids = {id(p) for m, kept, _ in stage_parts(self.model, self.stage, self.num_stages, self.virtual)
                      if kept and isinstance(m, nn.Layer) for p in m.parameters()}
         self.replicated = {n for n in trainable if n in held and id(held[n]) not in stage_ids}
+        self.trainable = {n for n in trainable if n in held}
         self.build_engine()
         return [n for n in trainable if n in held]
 
@@ -494,16 +557,6 @@ class Pipeline:
         for i, (n, _) in enumerate(named):
             if n in self.replicated and self.num_stages > 1:
                 dist.all_reduce(grads[i], group=self.group)
-        return grads
-
-    def sum_tied_grads(self, named, grads):
-        """The tied embedding's gradient from the embedding (first stage) plus the head's (last
-        stage): summed over the two copies, so both apply the same update."""
-        if self.tied_name is None:
-            return grads
-        for i, (n, _) in enumerate(named):
-            if n == self.tied_name:
-                dist.all_reduce(grads[i], group=self.tied_group)
         return grads
 
 
