@@ -12,7 +12,10 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
    of one new_group call.
    `fleet_groups(world)` applies the same per-group store to every group fleet.init creates
-   (HybridCommunicateGroup calls paddle.distributed.new_group per axis, check and p2p group).
+   (HybridCommunicateGroup calls paddle.distributed.new_group per axis, check and p2p group)
+   and to the shared-weight groups PipelineLayer creates for a tied embedding (pipeline.py:
+   one per pipeline, over its first and last stage; TP2 x PP2 gives [0, 2] and [1, 3] beside
+   the mp groups [0, 1], [2, 3]).
 2. all-to-all (`alltoall_single`): gloo has none ("ProcessGroupGLOO does not support alltoall");
    on CPU builds an exact emulation by all_gather (every rank's rows and split sizes, each rank
    keeps the blocks addressed to it), so the expert-parallel all-to-all dispatch written for
