@@ -1,5 +1,6 @@
 """The CPU-only shims of paddle internals (parallel/cpu_compat.py): each test fails loudly when
 paddle changes what a shim wraps, so the shim is revisited rather than silently skipped."""
+import contextlib
 import inspect
 
 import paddle
@@ -139,6 +140,51 @@ def test_paddles_group_sharded_still_refuses_cpu_without_the_shim():
     assert "cpu" not in paddle.device.get_all_custom_device_type()   # not for other callers
     assert "cpu" not in paddle.base.core.get_all_custom_device_type()
     assert paddle.get_device() == cpu_compat.GROUP_SHARDED_ORIGINALS["get_device"]()
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_group_sharded_world_groups_get_their_own_store(monkeypatch):
+    """paddle's group_sharded classes still create their whole-world group with new_group over the
+    job's store (the call sites shim 4 gates: "Connection refused" in test_sharding_scripts'
+    second 4-rank case without it); with the shim a call from those callers (file and function
+    checked) runs inside shim 1's per-group store, any other caller's does not."""
+    import types
+
+    import paddle.distributed.collective as collective
+    from paddle.distributed.fleet.meta_parallel.sharding import (group_sharded_optimizer_stage2 as opt2,
+                                                                 group_sharded_stage2 as s2,
+                                                                 group_sharded_stage3 as s3)
+
+    world_group = "collective.new_group(collective._get_global_group().ranks)"
+    assert world_group in inspect.getsource(s2.GroupShardedStage2.__init__)
+    assert world_group in inspect.getsource(s3.GroupShardedStage3.__init__)
+    assert "new_group(_get_global_group().ranks)" in inspect.getsource(opt2.GroupShardedOptimizerStage2.__init__)
+    assert "new_group(ranks)" in inspect.getsource(opt2.GroupShardedOptimizerStage2._set_broadcast_overlap)
+    assert "from paddle.distributed.collective import _get_global_group, new_group" in inspect.getsource(opt2)
+    assert {f for f, _ in cpu_compat.GROUP_SHARDED_NEW_GROUP} == {
+        m.__file__.rsplit("/", 1)[-1] for m in (s2, s3, opt2)}
+    assert cpu_compat.install_group_sharded() is True
+    assert collective.new_group is not cpu_compat.GROUP_SHARDED_ORIGINALS["new_group"]
+    assert opt2.new_group is not cpu_compat.GROUP_SHARDED_ORIGINALS["opt2_new_group"]
+    stores, made = [], []
+
+    @contextlib.contextmanager
+    def own_store(ranks, world, whole_world_too=False):
+        stores.append((ranks, world, whole_world_too))
+        yield
+
+    monkeypatch.setattr(cpu_compat, "_own_store", own_store)
+    monkeypatch.setattr(collective, "_get_global_group", lambda: types.SimpleNamespace(nranks=4))
+    for key in ("new_group", "opt2_new_group"):
+        monkeypatch.setitem(cpu_compat.GROUP_SHARDED_ORIGINALS, key, lambda ranks=None, *a, **k: made.append(ranks))
+    gated = {}   # a function named like paddle's caller, in a file named like its file
+    exec(compile("def __init__(new_group):\n    return new_group([3, 0, 1, 2])\n",
+                 "/paddle/x/group_sharded_stage2.py", "exec"), gated)
+    gated["__init__"](collective.new_group)
+    assert stores == [([0, 1, 2, 3], 4, True)] and made == [[3, 0, 1, 2]]
+    collective.new_group([0, 1])   # any other caller: paddle's new_group as it is
+    opt2.new_group([0, 1])
+    assert stores == [([0, 1, 2, 3], 4, True)] and made == [[3, 0, 1, 2], [0, 1], [0, 1]]
 
 
 def test_group_sharded_shim_does_nothing_on_a_cuda_build(monkeypatch):

@@ -27,12 +27,16 @@ PP2 = {   # name -> (checkpoint, train_case kwargs); micro 2 x accumulation 4 = 
     "llama3_prefix": ("llama3", {"method": "prefix", "lr": 2e-2, "max_grad_norm": 0.005}),
     "llama3_nf4_lora": ("llama3", {"method": "qlora", "quant": "nf4", "lr": 2e-2}),
     "llama3_zero_padding_recompute": ("llama3", {"zero_padding": True, "recompute": True}),
-    "qwen2_tied_vocab601": ("qwen2", {}),
+    "qwen2_tied_vocab601": ("qwen2", {"p2p": True}),   # (p2p: the collectives recorded)
     "chatglm2_sft": ("chatglm", {}),
     "llama3_adapter": ("llama3", {"method": "adapter", "lr": 2e-2, "max_grad_norm": 0.02}),
+    # tied embeddings as fleet's shared layer (SharedLayerDesc): trained (qwen2_tied_vocab601),
+    # frozen under LoRA (nothing shared), GPT-2's positions added on the first stage (finish_embedding)
+    "qwen2_tied_lora": ("qwen2", {"method": "lora", "lr": 2e-2, "p2p": True}),
+    "gpt2_tied_sft": ("gpt2", {"p2p": True}),
 }
 TP_PP = {"llama3_sft": ("llama3", {}), "llama3_lora": ("llama3", {"method": "lora", "lr": 2e-2}),
-         "qwen2_tied_vocab601": ("qwen2", {})}
+         "qwen2_tied_vocab601": ("qwen2", {"p2p": True})}
 DROPOUT = {"method": "lora", "lr": 2e-2, "lora_dropout": 0.1, "micro": 2, "accum": 4}
 DP_PP = {"llama3_sft": ("llama3", {"micro": 4, "accum": 1})}   # 4 x 2 data ranks = 4 x 2 micro-batches
 
@@ -40,9 +44,10 @@ DP_PP = {"llama3_sft": ("llama3", {"micro": 4, "accum": 1})}   # 4 x 2 data rank
 def _checkpoints(base):
     from paddletune.models.tiny import make_tiny_checkpoint
 
-    glm = str(base / "ck_chatglm")
+    glm, gpt2 = str(base / "ck_chatglm"), str(base / "ck_gpt2")
     make_tiny_checkpoint(glm, "chatglm", seed=5, padded_vocab_size=600, num_layers=3)
-    return {"llama3": hf_checkpoint(base / "ck_llama3", "llama", seed=3, num_hidden_layers=3)[0],
+    make_tiny_checkpoint(gpt2, "gpt2", seed=6, vocab_size=600, n_layer=3)
+    return {"gpt2": gpt2, "llama3": hf_checkpoint(base / "ck_llama3", "llama", seed=3, num_hidden_layers=3)[0],
             "qwen2": hf_checkpoint(base / "ck_qwen2", "qwen2", seed=4, vocab_size=601,
                                    tie_word_embeddings=True, num_hidden_layers=3)[0],
             "chatglm": glm}
@@ -193,3 +198,32 @@ def test_tp2_pp2_with_dropout_equals_pp2(runs, runs4):
     pp = got_pp["pp2_lora_dropout"][0]
     _compare(got["tppp_lora_dropout"], pp, base / "dropout" / "tppp", base / "dropout" / "pp2")
     assert pp["losses"][1:] != got_pp["llama3_lora"][0]["losses"][1:]
+
+
+def test_tied_embedding_is_fleets_shared_layer(runs, runs4):
+    """A tied embedding under PP is fleet's shared layer: one SharedLayerDesc item on the first
+    stage (it embeds) and one on the last (the loss's head), built as PipeSharedEmbedding over the
+    embedding's own weight (TP: the storage of its local shard); fleet's shared comm joins the two
+    stages of each pipeline in a group of its own (not the pipeline group, though PP=2 gives the
+    same ranks) and all-reduces the weight's gradient over it once per step, float32, the
+    local shape (5 steps; evaluation sends none). Frozen (LoRA) nothing is shared or reduced.
+    (PP=2 = one process for these cases: test_pp2_equals_one_process.)"""
+    _, _, got, _ = runs
+    _, _, got4, _ = runs4
+    cases = [(got["qwen2_tied_vocab601"], [601, 64], lambda r: [0, 1]),
+             (got["gpt2_tied_sft"], [600, 64], lambda r: [0, 1]),
+             # TP2 x PP2: ranks 0 / 2 (first TP rank of each stage) and 1 / 3; 301 rows each
+             (got4["qwen2_tied_vocab601"], [301, 64], lambda r: [r % 2, r % 2 + 2])]
+    for ranks, shape, pair in cases:
+        for rank, r in enumerate(ranks):
+            sh = r["shared"]
+            assert sh["descs"] == ["tied_embedding", "tied_embedding"]
+            assert sh["built"] == {"tied_embedding": "PipeSharedEmbedding"}
+            (c,) = sh["comm"].values()
+            assert c["ranks"] == pair(rank) and c["attrs"] == ["weight"] and c["is_tied_weight"] == [True]
+            assert c["group"] != sh["pp_group"]
+            assert [(x["op"], x["group"], x["ranks"], x["shapes"], x["dtypes"]) for x in sh["reduces"]] == \
+                [("all_reduce", c["group"], pair(rank), [shape], ["float32"])] * 5
+    for r in got["qwen2_tied_lora"]:
+        (c,) = r["shared"]["comm"].values()
+        assert c["attrs"] == [] and r["shared"]["reduces"] == []

@@ -140,6 +140,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
               "pp_engine": (f"{type(pipe.engine).__module__}.{type(pipe.engine).__name__}"
                             if pipe is not None else None),
               "stage": topo.pp_rank, "held": held, "degrees": topo.degrees,
+              "shared": _shared_facts(pipe, model, wire) if pipe is not None else None,
+              "owned": list(shard.owned) if shard is not None else None,   # (sharding: this rank's)
               # which engine updates: fleet's wrappers down to paddle's optimizer (None: ours)
               "optimizer_chain": trainer.par.hybrid.chain if trainer.par.hybrid is not None else None,
               "held_dtypes": {n: str(p.dtype) for n, p in trainer.trainable.items()},
@@ -155,6 +157,30 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)
     return result
+
+
+def _shared_facts(pipe, model, wire):
+    """fleet's shared layers of this stage's PipelineLayer (SharedLayerDesc items, shared comm per
+    key: ranks, group id, attributes, built class, whether the attribute is the model's tied
+    embedding weight) and, from the recorder, the all-reduces issued over those groups."""
+    from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
+
+    layer = pipe.engine._layers
+    w = getattr(model.get_input_embeddings(), "weight", None)
+
+    def is_tied_weight(t):   # the parameter itself, or (tensor parallel) its local shard's storage
+        return t is w or (w is not None and w.is_dist() and t.data_ptr() == w._local_value().data_ptr())
+
+    comm = {k: {"ranks": list(c["ranks"]), "group": c["group"].id, "attrs": list(c["weight_attr"]),
+                "layer": type(c["layer"]).__name__,
+                "is_tied_weight": [is_tied_weight(getattr(c["layer"], a)) for a in c["weight_attr"]]}
+            for k, c in layer.shared_comm.items()}
+    groups = {c["group"] for c in comm.values()}
+    return {"descs": [d.layer_name for d in layer._layers_desc if isinstance(d, SharedLayerDesc)],
+            "built": {k: type(v).__name__ for k, v in layer.shared_layers.items()},
+            "comm": comm, "pp_group": pipe.topo.hcg.get_pipe_parallel_group().id,
+            "reduces": [{k: e[k] for k in ("op", "ranks", "shapes", "dtypes", "group")} for e in wire
+                        if e["level"] == "api" and e.get("group") in groups]}
 
 
 def _holdings(trainer, info):

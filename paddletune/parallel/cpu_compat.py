@@ -12,7 +12,10 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    absent). The shim wraps paddle.distributed.collective._new_process_group_impl for the duration
    of one new_group call.
    `fleet_groups(world)` applies the same per-group store to every group fleet.init creates
-   (HybridCommunicateGroup calls paddle.distributed.new_group per axis, check and p2p group).
+   (HybridCommunicateGroup calls paddle.distributed.new_group per axis, check and p2p group)
+   and to the shared-weight groups PipelineLayer creates for a tied embedding (pipeline.py:
+   one per pipeline, over its first and last stage; TP2 x PP2 gives [0, 2] and [1, 3] beside
+   the mp groups [0, 1], [2, 3]).
 2. all-to-all (`alltoall_single`): gloo has none ("ProcessGroupGLOO does not support alltoall");
    on CPU builds an exact emulation by all_gather (every rank's rows and split sizes, each rank
    keeps the blocks addressed to it), so the expert-parallel all-to-all dispatch written for
@@ -39,6 +42,15 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    a custom device for those three callers only (the caller's file and function are checked),
    gives that one caller "cpu:0", and passes convert_gpu=False (the copy into the storage buffer happens either way). Measured
    (PARALLEL_NOTES.md): with these, stage 2 and 3 equal one process on gloo.
+   Its groups: given no group (sharding over the whole world), GroupShardedStage2 /
+   GroupShardedStage3 / GroupShardedOptimizerStage2 `__init__` create one with
+   `collective.new_group(_get_global_group().ranks)` over the job's store, whose handshake keys
+   the job's first world group already wrote: a peer can read the old address before the new
+   one is written, "Connection refused" (gloo pair.cc), seen as tests/test_sharding_scripts.py's
+   4-rank launch failing in its second case (rank 0 / 3: "connect [127.0.0.1]:25522: Connection
+   refused" from group_sharded_stage2.py:91), intermittently, more often on a loaded machine.
+   For those callers only (file and function checked) new_group runs through shim 1's
+   per-group store, as fleet.init's groups do (`fleet_groups`).
 5. fleet's pipeline engine (`pipeline_on_gloo`, parallel/pipeline.py): PipelineLayer.__init__
    reads `ParallelEnv().device_id`, whose `_device_id` paddle sets for CUDA / XPU / custom
    builds only (distributed/parallel.py:757-764: AttributeError on CPU) -> 0; and
@@ -236,6 +248,10 @@ def install_mp_ops():
 GROUP_SHARDED_GATES = {("group_sharded.py", "group_sharded_parallel"),
                        ("group_sharded_optimizer_stage2.py", "__init__"),
                        ("group_sharded_stage3.py", "__init__")}
+# the callers whose new_group gets its own store (shim 4's groups)
+GROUP_SHARDED_NEW_GROUP = {("group_sharded_stage2.py", "__init__"), ("group_sharded_stage3.py", "__init__"),
+                           ("group_sharded_optimizer_stage2.py", "__init__"),
+                           ("group_sharded_optimizer_stage2.py", "_set_broadcast_overlap")}
 GROUP_SHARDED_ORIGINALS = {}
 
 
@@ -275,6 +291,23 @@ def install_group_sharded():
     def add_rank_params(self, trainable_params, param2align, convert_gpu=True):
         return originals["add_rank_params"](self, trainable_params, param2align, False)
 
+    import paddle.distributed.collective as collective
+    from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_optimizer_stage2 as opt2
+
+    originals.update(new_group=collective.new_group, opt2_new_group=opt2.new_group)
+
+    def own_store_for(key):
+        def new_group(ranks=None, *args, **kwargs):
+            original = originals[key]
+            if not _caller_is(GROUP_SHARDED_NEW_GROUP):
+                return original(ranks, *args, **kwargs)
+            world = collective._get_global_group().nranks
+            with _own_store(sorted(ranks) if ranks else list(range(world)), world, True):
+                return original(ranks, *args, **kwargs)
+        return new_group
+
+    collective.new_group = own_store_for("new_group")
+    opt2.new_group = own_store_for("opt2_new_group")   # (imported by name there)
     paddle.device.get_all_custom_device_type = gate(originals["device_types"])
     core.get_all_custom_device_type = gate(originals["core_device_types"])
     paddle.get_device = get_device

@@ -29,13 +29,15 @@ cannot show it is needed on this build. Not used here: expert parallel (each ran
 other experts: their groups are expert.py's) and sharding (sharding.py; issue 30 moves it to
 fleet's sharding optimizers).
 
-Sharding stage 1 without pipeline parallel (alone, x DP, x TP) goes through the same object:
+Sharding stage 1 (alone, x DP, x TP, x PP) goes through the same object:
 fleet.distributed_optimizer then builds DygraphShardingOptimizer (V1) inside
 HybridParallelOptimizer. Its step reduces every gradient to its owner over the sharding group
 (scaled 1/S, SUM), all-reduces the owner's over dp (1/dp), calls _apply_optimize with this
 rank's pairs (here: the trainer's update, on the owned tensors only) and broadcasts each tensor
 from its owner. The loss factor is dp x S. Every rank holds every gradient until the step ends
-(V1 reduces in place, its broadcast skips tensors without one).
+(V1 reduces in place, its broadcast skips tensors without one). Under PP each stage's sharding
+group partitions that stage's tensors (copies held on several stages are summed over the
+pipeline group first: layout.Parallel.step, pipeline.py's shared layer).
 
 Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no reducer
 during backward (fleet's TensorParallel / PipelineParallel model wrappers have none either: their
@@ -119,7 +121,7 @@ class DataReducer:
 
 
 class FleetDataParallel:
-    """TP x DP / PP x DP: the data-parallel gradient reduction of fleet's HybridParallelOptimizer.
+    """TP x DP / PP x DP / sharding stage 1: the gradient reduction of fleet's HybridParallelOptimizer.
 
         hdp = FleetDataParallel.for_layout(topo, tp, pp, shard, ep)   # None where it does not apply
         hdp.wrap(optimizer)                 # trainer/optim.AdamW: its paddle AdamW under fleet

@@ -18,16 +18,17 @@ Who sums the data-parallel gradients, by layout:
 - data parallel with tensor and / or pipeline parallel: fleet's HybridParallelOptimizer.step
   (data.FleetDataParallel, `hybrid` here); our sums over TP / PP replicas, norm and clipping
   run inside its step, after its reduction;
-- sharding stage 1 without PP (alone, x DP, x TP): fleet's HybridParallelOptimizer over its
+- sharding stage 1 (alone, x DP, x TP, x PP): fleet's HybridParallelOptimizer over its
   DygraphShardingOptimizer (data.FleetDataParallel with sharding): reduce to the owner, dp
   all-reduce of the owned, our update on the owned tensors, the owners' broadcasts; fleet's
   partition becomes the Sharding's owner map (checkpoints: each owner writes its tensors);
+  under PP, copies held on several stages are summed over the stages before fleet's reduce;
 - sharding stage 2 without TP / PP: paddle's group_sharded_parallel("os_g")
   (group_sharded.GroupShardedStage2 as `hybrid`): the trainer's forward goes through its layer
   wrapper (forward_model), its hooks reduce each gradient to the owner during backward, its
   step scales, all-reduces over dp, runs our update and broadcasts; its clear_grad zeroes;
-- sharding stage 3, TP x stage 2, and any stage under PP: ours (sharding.py; PP x stage 1
-  through Topology.all_reduce_grads); issue 30 moves stage 3 to group_sharded_parallel;
+- sharding stage 3 and TP x stage 2: ours (sharding.py); issue 30 moves stage 3 to
+  group_sharded_parallel; PP x stage 2 / 3 is refused (fleet has no pipeline path for them);
 - Mixture-of-Experts on several data ranks (expert.py's groups: expert-data groups are not
   fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
@@ -193,8 +194,10 @@ class Parallel:
             from .tensor import sum_replicated_grads
 
             grads = sum_replicated_grads(self.model, named, grads, self.tp)
-        if self.pp is not None:   # a tied embedding's two copies; tensors every stage holds
-            grads = self.pp.sum_replicated_grads(named, self.pp.sum_tied_grads(named, grads))
+        if self.pp is not None and self.hybrid is None:   # tensors every stage holds (with fleet's
+            # optimizer: before its step, `step`); a tied embedding's two copies were summed by
+            # fleet's shared comm at the end of forward_backward_pipeline (pipeline.py)
+            grads = self.pp.sum_replicated_grads(named, grads)
         if self.shard is not None and self.shard.fleet:   # fleet summed the owners' (data.py)
             grads = [g if self.shard.owns(n) else None for n, g in zip(names, grads)]
         elif self.shard is not None and self.shard.stage >= 2:
@@ -220,6 +223,12 @@ class Parallel:
         grads = [self.grad(p) for _, p in named]
         if self.hybrid is None:
             return update(grads)
+        if self.pp is not None:
+            # a tensor every stage holds (a prefix): its copies summed over the stages (in place,
+            # in the gradients fleet reads) BEFORE fleet's reduction. Under sharding each stage's
+            # group partitions its own tensors, so the copies' owners can differ: a sum over the
+            # stages after the reduce would add an owner's total to a non-owner's partial
+            grads = self.pp.sum_replicated_grads(named, grads)
         return self.hybrid.step(optimizer, named, grads, update)
 
     def clear_grads(self, trainable):

@@ -6,7 +6,9 @@
     acc = pipe.train_step(micro_batches, loss_of, n_global)   # forward + backward, 1F1B
     metrics = pipe.eval_batch(batch, metrics_of)              # forward only (last stage: metrics)
 
-The PipelineLayer's items, in model order: PipeEmbedding, PipeDecoderBlock 0 .. L-1, PipeFinalNorm;
+The PipelineLayer's items (pipeline_items.py), in model order: PipeEmbedding (a tied one:
+PipeSharedEmbedding, fleet's SharedLayerDesc), PipeDecoderBlock 0 .. L-1, PipeFinalNorm (then,
+tied, the head's PipeSharedEmbedding);
 the loss (PipeLoss) is the last stage's loss function. Segmentation: without virtual stages a
 list of boundaries (stage_layers: as even as possible, the first stages take the extra blocks);
 with v virtual stages paddle's own "layer:PipeDecoderBlock" rule (blocks divisible by pp x v,
@@ -27,7 +29,8 @@ shape mode (pp_configs.enable_dynamic_shape): a meta message (shape, dtype, key;
 before every activation and every gradient, so a gradient's buffer has its micro-batch's shape.
 
 The step: `forward_backward_pipeline` (fleet's 1F1B / interleaved schedule, p2p and the micro-
-batch loop), then the Trainer's own step (gradient sums over TP / tied / replicated tensors,
+batch loop; at its end fleet all-reduces a tied embedding's gradient over its shared group:
+SharedLayerDesc), then the Trainer's own step (gradient sums over TP / replicated tensors,
 global norm, clipping, divergence check, AdamW: layout.Parallel.step, through fleet's
 HybridParallelOptimizer under data parallel). Not `train_batch`: its optimizer step would skip
 the Trainer's clipping over the whole model's norm (summed over stages) and metrics. The loss:
@@ -42,7 +45,8 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
 
-CTX_KEYS = ("position_ids", "attention_mask", "segment_ids")   # [B, S] each, when present
+from .pipeline_items import (CTX_KEYS, Absent, PipeDecoderBlock, PipeEmbedding, PipeFinalNorm,
+                             PipeLoss, PipeSharedEmbedding, _head_copy)
 
 
 def stage_layers(num_layers, num_stages, stage, virtual=1):
@@ -54,17 +58,6 @@ def stage_layers(num_layers, num_stages, stage, virtual=1):
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
     return list(range(start, start + base + (1 if stage < extra else 0)))
-
-
-class Absent(nn.Layer):
-    """Placeholder for a part of the model another pipeline stage holds (no parameters)."""
-
-    def __init__(self, what):
-        super().__init__()
-        self.what = what
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"{self.what} lives on another pipeline stage")
 
 
 def stage_parts(model, stage, num_stages, virtual=1):
@@ -112,95 +105,14 @@ def prune_to_stage(model, stage, num_stages, virtual=1):
             replace_module(model, names[id(module)], Absent(what))
 
 
-# ---------------------------------------------------------------------- the PipelineLayer's items
-class _Item(nn.Layer):
-    """An item of the PipelineLayer. The Pipeline is kept outside paddle's sublayer registry (it
-    is not a Layer); `module`, this stage's real part, is a sublayer (the PipelineLayer's
-    parameters are the stage's)."""
-
-    def __init__(self, pipe, module=None):
-        super().__init__()
-        self._pipe = [pipe]
-        self.ends_chunk = False   # the last item of a chunk: what it sends is cleared after
-        if isinstance(module, nn.Layer) and not isinstance(module, Absent):
-            self.module = module
-
-    @property
-    def pipe(self):
-        return self._pipe[0]
-
-    def passed_on(self, x, h):
-        """{hidden, the [B, S] tensors} for the next item; copies at a chunk's end (fleet frees
-        the tensors it has sent, and the inputs stay alive for backward)."""
-        if self.ends_chunk and not paddle.is_grad_enabled() and self.pipe.virtual > 1:
-            # fleet's interleaved eval checks what it sends against the shapes cached in training,
-            # where the hidden states carry a gradient (its send message lists those only)
-            h.stop_gradient = False
-        out = {"hidden": h}
-        for k in CTX_KEYS:
-            if k in x:
-                out[k] = x[k].clone() if self.ends_chunk else x[k]
-        return out
-
-
-class PipeEmbedding(_Item):
-    def forward(self, x):
-        pipe, m = self.pipe, self.pipe.model
-        with pipe.local():
-            h = m.embed(x["input_ids"])
-            h = m.finish_embedding(h, pipe.context(x, h))
-        return self.passed_on(x, h)
-
-
-class PipeDecoderBlock(_Item):
-    def __init__(self, pipe, index, module=None):
-        super().__init__(pipe, module)
-        self.index = index
-
-    def forward(self, x):
-        pipe, m = self.pipe, self.pipe.model
-        h = x["hidden"]
-        h = m.run_layers(h, pipe.context(x, h), [m.decoder_layers()[self.index]])
-        return self.passed_on(x, h)
-
-
-class PipeFinalNorm(_Item):
-    """The final norm (-> the hidden states the loss takes); holds the head (and a tied
-    embedding's copy) as sublayers, which the loss uses."""
-
-    def __init__(self, pipe, module=None, head=None):
-        super().__init__(pipe, module)
-        if isinstance(head, nn.Layer) and not isinstance(head, Absent):
-            self.head = head
-
-    def forward(self, x):
-        with self.pipe.local():
-            return self.pipe.model.final_norm()(x["hidden"])
-
-
-class PipeLoss(nn.Layer):
-    """The last stage's loss function: (hidden, {"labels"}) -> loss_sum x scale (dp / N), in
-    float32 (fleet broadcasts the loss as float32 or float16 only). Each micro-batch's loss_sum
-    is kept (detached) for the Trainer's logged loss."""
-
-    def __init__(self, pipe):
-        super().__init__()
-        self._pipe = [pipe]
-
-    def forward(self, h, labels):
-        pipe = self._pipe[0]
-        with pipe.local():
-            out = pipe.loss_of(h, labels)
-        pipe.losses.append(out.loss_sum.detach())
-        return (out.loss_sum * pipe.loss_scale).astype("float32")
-
-
 _ACTIVE = []   # the Pipeline whose trace fleet's micro-step hooks write (registered once)
 
 
 def _hook(kind):
     def hook(input_tensor=None, output_tensor=None, step_id=None, **_):
         pipe = _ACTIVE[0] if _ACTIVE else None
+        if pipe is not None and kind == "B_end" and pipe.shared is not None:
+            pipe.shared.share_grad()   # (a DTensor's gradient for fleet's shared all-reduce)
         if pipe is None or pipe.trace is None:
             return
         now = time.perf_counter()
@@ -255,7 +167,7 @@ def _no_startup_broadcast(layer):
 class Pipeline:
     """This rank's stage: fleet's PipelineParallel over the model's PipelineLayer (built in
     finalize, after PEFT), the step and eval forward through it, and what the Trainer needs
-    (stage-local gradient norm, tied-embedding sync, logged-loss sum)."""
+    (stage-local gradient norm, replicated-tensor sums, logged-loss sum)."""
 
     def __init__(self, model, topo):
         self.model, self.topo = model, topo
@@ -272,24 +184,15 @@ class Pipeline:
         self.engine = None        # fleet's PipelineParallel (finalize)
         self.losses, self.loss_scale, self.loss_of = [], 1.0, None
         self._ctx = {}
-        tied = model.get_output_embeddings() is None and self.num_stages > 1
-        # the tied embedding's two copies (first and last stage) get their gradients summed
-        self.tied_group = self._tied_group(ranks) if tied else None
+        # a tied embedding: one copy on the first stage, one on the last, fleet's shared layer
+        # (SharedLayerDesc) on both; fleet sums the copies' gradients over its shared group
+        self.tied = model.get_output_embeddings() is None and self.num_stages > 1
         self.tied_name = None
-        if tied and (self.first or self.last):
+        if self.tied and (self.first or self.last):
             w = model.get_input_embeddings().weight
             self.tied_name = next(n for n, p in model.named_parameters() if p is w)
-
-    def _tied_group(self, ranks):
-        """The {first, last stage} 2-rank group, created collectively (topology.create_groups);
-        with 2 stages fleet's pp group is that pair."""
-        if self.num_stages == 2:
-            return self.group
-        from .topology import create_groups, group_ranks
-
-        group = create_groups(self.topo.rank, self.topo.world_size, lambda r: [
-            [group_ranks(r, self.topo.degrees, "pp")[0], group_ranks(r, self.topo.degrees, "pp")[-1]]])
-        return group if self.topo.rank in (ranks[0], ranks[-1]) else None
+        self.trainable = set()    # (finalize) the trainable names this stage holds
+        self.shared = None        # (build_engine) this stage's PipeSharedEmbedding, if it holds one
 
     # ------------------------------------------------------------------ the engine
     def build_engine(self):
@@ -314,17 +217,25 @@ class Pipeline:
                                      "micro_batch_size": int(cfg.get("micro_batch_size", 1)),
                                      "p2p_cache_shape": cache}
         L, mine = len(m.decoder_layers()), set(self.layer_ids)
-        items = [PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
+        items = [self._shared_embedding("first") if self.tied else
+                 PipeEmbedding(self, m.get_input_embeddings() if self.first else None)]
         items += [PipeDecoderBlock(self, i, m.decoder_layers()[i] if i in mine else None) for i in range(L)]
-        head = m.get_output_embeddings() or (m.get_input_embeddings() if self.tied_name else None)
+        head = m.get_output_embeddings()
         items.append(PipeFinalNorm(self, m.final_norm() if self.last else None, head if self.last else None))
+        if self.tied:
+            items.append(self._shared_embedding("last"))
         if self.virtual > 1:
             seg, kw = "layer:PipeDecoderBlock", {"num_virtual_pipeline_stages": self.virtual}
         else:
             seg = [0] + [1 + stage_layers(L, self.num_stages, s)[0] for s in range(1, self.num_stages)]
-            seg, kw = seg + [L + 2], {}
-        layer = PipelineLayer(items, topology=self.topo.hcg.topology(), loss_fn=PipeLoss(self),
-                              seg_method=seg, **kw)
+            seg, kw = seg + [len(items)], {}
+        # fleet's shared comm creates its groups with paddle.distributed.new_group (cpu_compat 1)
+        from .cpu_compat import fleet_groups
+
+        with fleet_groups(self.topo.world_size):
+            layer = PipelineLayer(items, topology=self.topo.hcg.topology(), loss_fn=PipeLoss(self),
+                                  seg_method=seg, **kw)
+        self.shared = layer.shared_layers["tied_embedding"] if "tied_embedding" in layer.shared_layers else None
         chunks = [c.get_run_function() for c in layer.get_model_chunks()] if self.virtual > 1 \
             else [layer.run_function]
         assert sorted(x.index for c in chunks for x in c if isinstance(x, PipeDecoderBlock)) == sorted(mine), \
@@ -340,6 +251,22 @@ class Pipeline:
         route_p2p_over_pairs(self.topo.hcg, lambda r: group_ranks(r, self.topo.degrees, "pp"),
                              self.topo.world_size)
         return self.engine
+
+    def _shared_embedding(self, end):
+        """The tied embedding's SharedLayerDesc for the first (embeds) or last (head) stage. fleet
+        builds a PipeSharedEmbedding on each stage whose segment holds the item, joins the two
+        stages' ranks of every pipeline in a shared group (paddle.distributed.new_group), at
+        construction broadcasts the weight from the first stage (both loaded it: a no-op), and at
+        the end of forward_backward_pipeline all-reduces the copies' gradients over that group
+        (PipelineLayer.allreduce_shared_weight_gradients). A frozen tied embedding (LoRA) shares
+        no attribute: nothing to sum, no gradient made for it."""
+        from paddle.distributed.fleet.meta_parallel import SharedLayerDesc
+
+        emb = self.model.get_input_embeddings()
+        held = self.first if end == "first" else self.last
+        attrs = ["weight"] if self.tied_name in self.trainable else []
+        return SharedLayerDesc("tied_embedding", PipeSharedEmbedding, None if end == "first" else _head_copy,
+                               attrs, pipe=self, module=emb if held else None)
 
     def local(self):
         """Under tensor parallelism the non-block parts run on their local shards too."""
@@ -393,7 +320,11 @@ class Pipeline:
         self._ctx = {}
         if self.trace is not None:
             self.trace.append(("step", len(micro_batches), time.perf_counter()))
-        self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
+        try:
+            self.engine.forward_backward_pipeline(self._data(micro_batches), None)   # no scaler
+        finally:
+            if self.shared is not None:
+                self.shared.release_grad()
         if self.trace is not None:
             self.trace.append(("step_end", len(micro_batches), time.perf_counter()))
         self._ctx = {}
@@ -478,6 +409,7 @@ class Pipeline:
         stage_ids = {id(p) for m, kept, _ in stage_parts(self.model, self.stage, self.num_stages, self.virtual)
                      if kept and isinstance(m, nn.Layer) for p in m.parameters()}
         self.replicated = {n for n in trainable if n in held and id(held[n]) not in stage_ids}
+        self.trainable = {n for n in trainable if n in held}
         self.build_engine()
         return [n for n in trainable if n in held]
 
@@ -494,16 +426,6 @@ class Pipeline:
         for i, (n, _) in enumerate(named):
             if n in self.replicated and self.num_stages > 1:
                 dist.all_reduce(grads[i], group=self.group)
-        return grads
-
-    def sum_tied_grads(self, named, grads):
-        """The tied embedding's gradient from the embedding (first stage) plus the head's (last
-        stage): summed over the two copies, so both apply the same update."""
-        if self.tied_name is None:
-            return grads
-        for i, (n, _) in enumerate(named):
-            if n == self.tied_name:
-                dist.all_reduce(grads[i], group=self.tied_group)
         return grads
 
 

@@ -13,7 +13,9 @@ Two levels are recorded, each entry a dict:
       asked to move; `*_on_calc_stream` variants included, op named with the suffix);
   {"level": "api", "op": "all_reduce", ...}
       one per call of a `paddle.distributed` function (all_reduce, broadcast, all_gather, send,
-      recv, ...), which then issues one "pg" entry (or none where it fails).
+      recv, ...), which then issues one "pg" entry (or none where it fails); it also carries
+      "group": the id of the Group passed (None when none was), so two groups over the same
+      ranks are told apart.
 `bytes` sums numel x element size over the tensors passed (for all_gather the output list and the
 input: count what you need from `shapes`). `ranks` are the group's global ranks (the world when
 no group is found). `tag` is the innermost `recorder.tag(name)` active in this process, else None.
@@ -94,7 +96,9 @@ def _wrap_api(name, original):
         if _state["sinks"]:
             group = kwargs.get("group")
             ranks = list(group.ranks) if group is not None and hasattr(group, "ranks") else None
-            _emit(_entry("api", name, args, kwargs, ranks))
+            entry = _entry("api", name, args, kwargs, ranks)
+            entry["group"] = getattr(group, "id", None)   # which group object (None: the default)
+            _emit(entry)
         return original(*args, **kwargs)
     fn.__wrapped__ = original
     return fn

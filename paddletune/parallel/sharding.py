@@ -6,14 +6,17 @@ training state. The trainable tensors (this rank's local shards under tensor / p
 parallelism) are partitioned into S owners, whole tensors in model order, balancing numel
 (`partition`); sharding rank r owns part r:
 
-    stage1  each rank keeps AdamW moments for its own tensors only. Without pipeline parallel
-            (and without expert groups) this is fleet's: fleet.distributed_optimizer wraps the
+    stage1  each rank keeps AdamW moments for its own tensors only. Without expert groups
+            this is fleet's (alone, x DP, x TP, x PP): fleet.distributed_optimizer wraps the
             paddle AdamW in DygraphShardingOptimizer (V1) inside HybridParallelOptimizer, whose
             step reduces each gradient to its owner (sharding group), all-reduces the owned ones
             over dp, runs the trainer's update on the owner's tensors and broadcasts them (its
             partition: greedy by numel, largest first; parallel/data.py FleetDataParallel,
-            `on_fleet`). Under PP the code below runs it: gradients summed over the data ranks as
-            without sharding; each owner updates its tensors and broadcasts them
+            `on_fleet`). Under PP each stage's sharding group partitions that stage's tensors,
+            so the two copies of a tied embedding (first and last stage) or of a tensor every
+            stage holds (a prefix) can have different owners: their copies are summed over the
+            pipeline group before fleet's reduce (tied: fleet's shared comm at the end of
+            forward_backward_pipeline; replicated: layout.Parallel.step), never after it
     stage2  gradients as well. Without TP / PP this is paddle's group_sharded_parallel("os_g")
             (group_sharded.py: reduced to the owner in buckets during backward, a non-owner
             drops each at once). Under TP / PP the code below runs it: after the step's
@@ -37,8 +40,9 @@ under stage3 holds only their two values between steps.
 The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
-Stage 1 and (without TP) stage 2 are paddle's (above); stage 3, TP x stage 2 and PP x sharding
-are still this module's (issue 30). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
+Stage 1 (with or without TP / PP) and (without TP) stage 2 are paddle's (above); stage 3 and
+TP x stage 2 are still this module's (issue 30); PP x stage 2 / 3 is refused (fleet has no
+pipeline path for them). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
@@ -433,18 +437,18 @@ OFFLOAD_STAGE1 = ("sharding 'stage1 offload': paddle's stage-1 sharding optimize
 
 def on_fleet(stage, topo, model=None, offload=False):
     """Whether this stage runs on paddle's sharding engine here, under fleet.init (more than one
-    process), without pipeline parallel and without a Mixture-of-Experts layout (expert.py's
-    groups): stage 1 (fleet's DygraphShardingOptimizer, data.py), stage 2 without tensor
+    process), without a Mixture-of-Experts layout (expert.py's groups): stage 1 (fleet's
+    DygraphShardingOptimizer inside HybridParallelOptimizer, data.py; under pipeline parallel
+    too, the optimizer PipelineParallel works with), stage 2 without tensor or pipeline
     parallel (group_sharded_parallel "os_g", group_sharded.py: its hooks take the layer's own
     parameters, a DTensor's local shard is not one) and not with offload on a GPU (paddle's
     offload step updates its own host copies, which would bypass the trainer's update; there the
-    host-memory AdamW below runs). Otherwise this module's own code (stage 3: issue 30; the
-    pipeline's sharding goes with the pipeline's move to fleet)."""
-    if not (topo.hcg is not None and topo.pp_degree == 1 and topo.ep_degree == 1
+    host-memory AdamW below runs). Otherwise this module's own code (stage 3: issue 30)."""
+    if not (topo.hcg is not None and topo.ep_degree == 1
             and getattr(model, "expert_parallel", None) is None):
         return False
     gpu_offload = offload and paddle.is_compiled_with_cuda()
-    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and not gpu_offload)
+    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and topo.pp_degree == 1 and not gpu_offload)
 
 
 def check_offload(args, degrees, ep=1):
@@ -453,7 +457,7 @@ def check_offload(args, degrees, ep=1):
     for stage2 / stage3 only). On CPU builds it is warned in for_trainer (one memory)."""
     words = (getattr(args, "sharding", "") or "").split()
     if ("offload" in words and stage_of(" ".join(words)) == 1 and degrees["sharding"] > 1
-            and degrees["pp"] == 1 and ep == 1 and paddle.is_compiled_with_cuda()):
+            and ep == 1 and paddle.is_compiled_with_cuda()):
         raise ValueError(OFFLOAD_STAGE1)
 
 

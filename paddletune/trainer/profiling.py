@@ -38,7 +38,7 @@ PHASES = ("data", "forward", "backward", "communication", "optimizer")
 BREAKDOWN = "profile_breakdown.jsonl"
 COMMUNICATION = {"topo": ("all_reduce_grads", "all_reduce_scalars", "all_reduce_sum"),
                  "shard": ("reduce_grads", "begin_step", "after_step", "square_norm"),
-                 "pp": ("sum_replicated_grads", "sum_tied_grads", "sum_over_stages")}
+                 "pp": ("sum_replicated_grads", "sum_over_stages")}
 
 
 def _device_sync():
