@@ -119,6 +119,7 @@ class Sharding:
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
         self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
         self.stats = {}   # what a rank holds, measured (tests assert the split)
+        self.split = False   # stage 1 as fleet's DygraphShardingOptimizerV2 (split_param, data.py)
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
@@ -457,6 +458,25 @@ def check_offload(args, degrees, ep=1):
         raise ValueError(OFFLOAD_STAGE1)
 
 
+SPLIT_PARAM_TP = ("sharding_parallel_config 'split_param' with tensor_parallel_degree > 1: fleet's "
+                  "DygraphShardingOptimizerV2 moves each parameter into its fused buffer, which a "
+                  "tensor-parallel slice (a DTensor's local value) cannot follow; stage 1 runs V1 "
+                  "(DygraphShardingOptimizer, whole tensors per rank)")
+
+
+def wants_split_param(args, topo):
+    """Stage 1 as fleet's DygraphShardingOptimizerV2: PaddleNLP's `sharding_parallel_config:
+    split_param`, on layouts without tensor parallel (warned once there: V1 runs)."""
+    if "split_param" not in (getattr(args, "sharding_parallel_config", "") or "").split():
+        return False
+    if topo.degrees["tp"] > 1:
+        from ..runtime import warn_once
+
+        warn_once("split_param_tp", SPLIT_PARAM_TP)
+        return False
+    return True
+
+
 def for_trainer(args, topo, named, local=lambda p: p, model=None):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
@@ -477,6 +497,7 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)
     shard = Sharding(topo, stage, named, local, fleet=fleet)
+    shard.split = fleet and stage == 1 and wants_split_param(args, topo)
     shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
     if model is not None:
         shard.install_layerwise(model, dict(named))
