@@ -6,7 +6,8 @@ reduce_scatter emulation). The oracle is the one-process run of the same functio
 the tolerances of tests/test_sharding.py's stage-1 cases, gradient clipping active.
 
 One launch of 2 ranks runs: V2 under the collective recorder; V2 saving at step 3; V1 stage 1
-resuming V2's checkpoint-3. In this process: the reference, and V2's checkpoint-3 resumed.
+resuming V2's checkpoint-3. One launch of 4 ranks: V2 x DP2 (fleet all-reduces the owned slices
+over dp) and split_param under TP2 (warned: V1 runs). In this process: the reference, and V2's checkpoint-3 resumed.
 Asserted besides the equalities: the optimizer chain (HybridParallelOptimizer ->
 DygraphShardingOptimizerV2 -> AdamW), what crossed the sharding group (one float32 reduction of
 the whole padded buffer per step — gloo's emulation of reduce_scatter — and one float32
@@ -41,6 +42,10 @@ def runs(tmp_path_factory):
              ("v2_to_v1", "tp_cases:train_case", dict(ckpt=ck, out_dir=str(base / "v2_to_v1"), micro=2,
                                                       sharding="stage1", resume=save))]
     got = launch_cases(cases, base / "two", nproc=2, timeout=900)
+    four = [("dp2_v2", "sharding_cases:sharding_case", dict(V2, ckpt=ck, out_dir=str(base / "dp2_v2"), micro=1,
+                                                            sharding_degree=2)),
+            ("tp2_split", "tp_cases:train_case", dict(V2, ckpt=ck, out_dir=str(base / "tp2_split"), tp=2))]
+    got.update(launch_cases(four, base / "four", nproc=4, timeout=900))
     ref = {"single": train_case(ck, str(base / "single"), micro=4),
            "v2_to_one": train_case(ck, str(base / "v2_to_one"), micro=4, resume=save)}
     return base, got, ref
@@ -112,3 +117,26 @@ def test_split_param_checkpoint_resumes_in_one_process_and_under_v1(runs):
         res = _tensors(base / name)
         assert set(res) == set(one) and max(np.abs(res[k] - one[k]).max() for k in one) <= 1e-4 * update, name
     assert got["v2_to_v1"][0]["optimizer_chain"] == ["HybridParallelOptimizer", "DygraphShardingOptimizer", "AdamW"]
+
+
+def test_split_param_with_data_parallel_equals_one_process(runs):
+    from test_sharding import _compare
+
+    base, got, ref = runs
+    ranks = got["dp2_v2"]
+    _compare(ranks, ref["single"], base / "dp2_v2", base / "single")
+    for r in ranks:
+        assert r["optimizer_chain"] == V2_CHAIN and r["degrees"] == {"dp": 2, "pp": 1, "sharding": 2, "tp": 1}
+        assert all(h["optimizer_numel"] == got["v2"][0]["held"][0]["optimizer_numel"] for h in r["held"])
+
+
+def test_split_param_under_tensor_parallel_runs_v1(runs):
+    """V2 moves each parameter into its fused buffer, which a TP slice cannot follow: V1 runs
+    (warned once), and equals one process as the stage-1 TP case does."""
+    from test_sharding import _compare
+
+    base, got, ref = runs
+    ranks = got["tp2_split"]
+    _compare(ranks, ref["single"], base / "tp2_split", base / "single")
+    assert all(r["optimizer_chain"] == ["HybridParallelOptimizer", "DygraphShardingOptimizer", "AdamW"]
+               for r in ranks)
