@@ -140,3 +140,34 @@ def test_split_param_under_tensor_parallel_runs_v1(runs):
     _compare(ranks, ref["single"], base / "tp2_split", base / "single")
     assert all(r["optimizer_chain"] == ["HybridParallelOptimizer", "DygraphShardingOptimizer", "AdamW"]
                for r in ranks)
+
+
+def test_split_param_flags_are_honoured_or_warned(monkeypatch):
+    """split_param with stage 1: no warning (it runs V2); with stage 2 / 3 it has no effect
+    (warned); PaddleNLP's other sharding flags are warned naming the flag; in Python, the layout
+    asks for V2 only with stage 1 and without tensor parallel (warned once under TP)."""
+    from paddletune import args as A, runtime
+    from paddletune.parallel.sharding import wants_split_param
+    from paddletune.parallel.topology import Topology
+
+    base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o",
+            "sharding_parallel_config": "split_param"}
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    warned = []
+    args = A.build(dict(base, sharding="stage1"), warn=warned.append)[-1]
+    assert not any("sharding_parallel_config" in w for w in warned), warned
+    A.build(dict(base, sharding="stage2"), warn=warned.append)
+    assert any("split_param' has no effect with sharding 'stage2'" in w for w in warned), warned
+    warned.clear()
+    A.build(dict(base, sharding="stage1", sharding_parallel_config="split_param enable_stage1_overlap"),
+            warn=warned.append)
+    assert [w for w in warned if "sharding_parallel_config" in w] == [
+        w for w in warned if "enable_stage1_overlap' has no effect" in w] and warned
+    logs = []
+    monkeypatch.setattr(runtime, "warn_once", lambda key, msg, *a: logs.append(msg))
+    assert wants_split_param(args, Topology(world_size=2, degrees={"dp": 1, "pp": 1, "sharding": 2, "tp": 1}))
+    assert not logs
+    assert not wants_split_param(args, Topology(world_size=4, degrees={"dp": 1, "pp": 1, "sharding": 2, "tp": 2}))
+    assert len(logs) == 1 and "V1" in logs[0] and "tensor_parallel_degree" in logs[0]
+    args.sharding_parallel_config = ""
+    assert not wants_split_param(args, Topology(world_size=2, degrees={"dp": 1, "pp": 1, "sharding": 2, "tp": 1}))
