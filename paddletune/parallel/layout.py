@@ -143,7 +143,7 @@ class Parallel:
             self.hybrid.wrap(optimizer)
             if self.hybrid.sharding:   # stage 1 on fleet: its partition; moments of ours only
                 self.shard.adopt(self.hybrid.owners(optimizer))
-                if self.hybrid.split:   # V2: moments on this rank's flat slices
+                if getattr(self.hybrid, "split", False):   # V2: moments on this rank's flat slices
                     optimizer.use_slices(self.hybrid.slices)
                 else:
                     optimizer.keep_state(self.shard.owned)
