@@ -6,7 +6,7 @@ reduce_scatter emulation). The oracle is the one-process run of the same functio
 the tolerances of tests/test_sharding.py's stage-1 cases, gradient clipping active.
 
 One launch of 2 ranks runs: V2 under the collective recorder; V2 saving at step 3; V1 stage 1
-resuming V2's checkpoint-3. One launch of 4 ranks: V2 x DP2 (fleet all-reduces the owned slices
+resuming V2's checkpoint-3; V2 resuming it. One launch of 4 ranks: V2 x DP2 (fleet all-reduces the owned slices
 over dp) and split_param under TP2 (warned: V1 runs). In this process: the reference, and V2's checkpoint-3 resumed.
 Asserted besides the equalities: the optimizer chain (HybridParallelOptimizer ->
 DygraphShardingOptimizerV2 -> AdamW), what crossed the sharding group (one float32 reduction of
@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
     cases = [("v2", "sharding_cases:sharding_case", dict(V2, ckpt=ck, out_dir=str(base / "v2"))),
              ("v2_save", "tp_cases:train_case", dict(V2, ckpt=ck, out_dir=str(base / "v2_save"), save_steps=3)),
              ("v2_to_v1", "tp_cases:train_case", dict(ckpt=ck, out_dir=str(base / "v2_to_v1"), micro=2,
-                                                      sharding="stage1", resume=save))]
+                                                      sharding="stage1", resume=save)),
+             ("v2_to_v2", "tp_cases:train_case", dict(V2, ckpt=ck, out_dir=str(base / "v2_to_v2"), resume=save))]
     got = launch_cases(cases, base / "two", nproc=2, timeout=900)
     four = [("dp2_v2", "sharding_cases:sharding_case", dict(V2, ckpt=ck, out_dir=str(base / "dp2_v2"), micro=1,
                                                             sharding_degree=2)),
@@ -94,8 +95,9 @@ def test_split_param_holds_half_the_padded_state_and_sends_one_buffer(runs):
 
 
 def test_split_param_checkpoint_resumes_in_one_process_and_under_v1(runs):
-    """V2's checkpoint-3 holds whole tensors (moments gathered from the slices): one process
-    and V1 stage 1 continue it; steps 4-5 and the final weights equal the uninterrupted run."""
+    """V2's checkpoint-3 holds whole tensors (moments gathered from the slices): one process,
+    V1 stage 1 and V2 itself continue it; steps 4-5 and the final weights equal the uninterrupted
+    run."""
     import json
 
     from test_sharding import _tensors
@@ -111,7 +113,8 @@ def test_split_param_checkpoint_resumes_in_one_process_and_under_v1(runs):
                 assert e["global_shape"] == list(a.shape) and len(e["pieces"]) == 1, (n + sfx, e)
     start = _tensors(base / "single", "initial")
     update = max(np.abs(one[k] - start[k]).max() for k in one)
-    for name, resumed in (("v2_to_one", ref["v2_to_one"]), ("v2_to_v1", got["v2_to_v1"][0])):
+    for name, resumed in (("v2_to_one", ref["v2_to_one"]), ("v2_to_v1", got["v2_to_v1"][0]),
+                          ("v2_to_v2", got["v2_to_v2"][0])):   # (V2 cuts the whole state to its slices)
         assert len(resumed["losses"]) == 5
         np.testing.assert_allclose(resumed["losses"][3:], ref["single"]["losses"][3:], rtol=1e-4)
         res = _tensors(base / name)
