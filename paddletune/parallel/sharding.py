@@ -12,7 +12,8 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             step reduces each gradient to its owner (sharding group), all-reduces the owned ones
             over dp, runs the trainer's update on the owner's tensors and broadcasts them (its
             partition: greedy by numel, largest first; parallel/data.py FleetDataParallel,
-            `on_fleet`). Under PP the code below runs it: gradients summed over the data ranks as
+            `on_fleet`); with sharding_parallel_config split_param (no TP) fleet's
+            DygraphShardingOptimizerV2: flat 1/S ranges of one fused buffer (`split`). Under PP the code below runs it: gradients summed over the data ranks as
             without sharding; each owner updates its tensors and broadcasts them
     stage2  gradients as well. Without TP / PP this is paddle's group_sharded_parallel("os_g")
             (group_sharded.py: reduced to the owner in buckets during backward, a non-owner
