@@ -250,7 +250,7 @@ class TrainingArguments:
     tensor_parallel_config: str = F("", "PaddleNLP TP tuning flags", "no_effect", NOEFF_PARALLEL)
     pipeline_parallel_config: str = F("", "PaddleNLP's pipeline flags, space-separated: disable_p2p_cache_shape is what this pipeline always does (each micro-batch's shape is sent with it); the others warn that they have no effect")
     virtual_pp_degree: int = F(1, "virtual pipeline stages per rank: fleet's interleaved 1F1B (PipelineParallelWithInterleave) under paddle's rules: pipeline_parallel_degree >= 3, decoder blocks divisible by pipeline_parallel_degree x virtual_pp_degree, gradient_accumulation_steps >= pipeline_parallel_degree")
-    sharding_parallel_config: str = F("", "PaddleNLP sharding tuning flags (split_param, enable_stage1_overlap, ...)", "no_effect", "stage 1 runs fleet's DygraphShardingOptimizer V1 without fusion / overlap (split_param's V2 does not yet equal one process on gloo); stages 2-3 send one flat tensor per owner")
+    sharding_parallel_config: str = F("", "PaddleNLP sharding flags, space-separated: split_param runs stage 1 as fleet's DygraphShardingOptimizerV2 (flat 1/S slices of one fused buffer per rank; not with tensor parallel, where V1 runs); the others warn that they have no effect")
     export_format: str = F("hf", "the final model's layout: hf (the model family's own Hugging Face layout), or glm (ChatGLM2/3 as transformers' native GlmForCausalLM; full models and LoRA adapters)", choices=["hf", "glm"])
     unified_checkpoint: bool = F(False, "also write every checkpoint-N as a Hugging Face model / HF-PEFT adapter (the resumable slices stay beside it)")
     unified_checkpoint_config: str = F("", "PaddleNLP unified checkpoint flags", "no_effect", "checkpoints are always one layout-independent format")
@@ -772,6 +772,7 @@ def _check_values(model_args, data_args, quant_args, gen_args, args, sources, wa
     _check_parallel(args, err, warn)
     _check_tensor_parallel(model_args, data_args, args, err)
     _check_pipeline_config(args, warn)
+    _check_sharding_config(args, warn)
     _check_virtual_pp(data_args, args, err)
     _check_generation(data_args, gen_args, args, err, warn)
     _check_data(model_args, data_args, args, err, warn)
@@ -951,6 +952,23 @@ def _check_sharding(args, err, warn):
 PP_STAGE23 = ("sharding stage{stage} with pipeline_parallel_degree > 1: fleet has no pipeline path for "
               "sharding stages 2 / 3 (its PipelineParallel steps through HybridParallelOptimizer, "
               "which shards stage 1 only); use sharding stage1 or pipeline_parallel_degree 1")
+
+
+SHARDING_FLAGS_HONOURED = ("split_param",)   # stage 1 on fleet's DygraphShardingOptimizerV2 (data.py)
+
+
+def _check_sharding_config(args, warn):
+    """sharding_parallel_config flags: split_param honoured for stage 1 (warned for stages 2 /
+    3, which have no V2), every other flag warned once."""
+    flags = (args.sharding_parallel_config or "").split()
+    for flag in flags:
+        if flag not in SHARDING_FLAGS_HONOURED:
+            warn(f"'sharding_parallel_config: {flag}' has no effect here (stage 1 runs fleet's "
+                 "sharding optimizer without fusion / overlap; only split_param applies)")
+    words = (args.sharding or "").split()
+    if "split_param" in flags and words and "stage1" not in words:
+        warn("'sharding_parallel_config: split_param' has no effect with sharding "
+             f"'{args.sharding}' (it is stage 1's DygraphShardingOptimizerV2)")
 
 
 PP_FLAGS_HONOURED = ("disable_p2p_cache_shape",)   # fleet runs without its shape cache, always (pipeline.py)

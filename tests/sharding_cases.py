@@ -18,6 +18,8 @@ def sharding_case(ckpt, out_dir, **kw):
             w["calls"] += 1
             w["numel"] += sum(_numel(s) for s in e["shapes"])
             w["dtypes"] = sorted(set(w["dtypes"]) | set(e["dtypes"]))
+            if "float32" in e["dtypes"]:   # each float32 call's element count, in order
+                w.setdefault("float32_numels", []).append(sum(_numel(s) for s in e["shapes"]))
     result["sharding_wire"] = wire
     return result
 

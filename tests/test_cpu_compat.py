@@ -268,3 +268,76 @@ def test_pair_routing_pins_the_p2p_path_it_redirects():
     routes = cpu_compat._PairRoutes(PP(), pairs)
     assert routes.get_group_rank(2) == 1 and routes.process_group is pairs[2].process_group
     assert routes.get_group_rank(0) == 0 and routes.process_group is pairs[0].process_group
+
+
+# ---------------------------------------------------------------- DygraphShardingOptimizerV2 (split_param)
+def _gloo_group(gid):
+    """A real one-rank gloo process group and a Group-like view of it."""
+    import socket
+    import types
+
+    from paddle.base import core
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = core.TCPStore("127.0.0.1", port, True, 1, 30)
+    pg = core.ProcessGroupGloo.create(store, 0, 1, gid)
+    return types.SimpleNamespace(id=gid, process_group=pg, is_member=lambda: True, nranks=1, rank=0,
+                                 ranks=[0], world_size=1), store
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_gloo_still_lacks_reduce_scatter(monkeypatch):
+    """What shim 7 stands in for: gloo's reduce_scatter (V2's gradient reduction) and the fused
+    buffer's alignment table on a CPU build. When these pass, remove the parts of the shim."""
+    import paddle.distributed as dist
+    from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
+
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    group, _store = _gloo_group(9002)
+    original = cpu_compat.SPLIT_PARAM_ORIGINALS.get("reduce_scatter", dist.reduce_scatter)
+    with pytest.raises(NotImplementedError, match="GLOO does not support reduce_scatter"):
+        original(paddle.zeros([2]), paddle.ones([2]), group=group, sync_op=False)
+    alignment = cpu_compat.SPLIT_PARAM_ORIGINALS.get("alignment", tfh.alignment)
+    assert "cpu" not in alignment and alignment["gpu"] == 256
+    monkeypatch.setattr(tfh, "__current_device_type__", None)
+    monkeypatch.setattr(tfh, "alignment", alignment)
+    with pytest.raises(AssertionError, match="tensor fusion helper now only support"):
+        tfh.get_current_device_type()
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_split_param_shim_installs_what_v2_reads(monkeypatch):
+    """After shim 7: the name V2's buffer calls (paddle.distributed.reduce_scatter) is the
+    emulation, "cpu" aligns as "gpu" (256 bytes), and the device type is "cpu"; the emulation
+    writes the group's sum into a view of the input (as V2 passes it), SUM and AVG."""
+    import paddle.distributed as dist
+    from paddle.distributed import ReduceOp
+    from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
+
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    assert cpu_compat.install_split_param() is True
+    assert dist.reduce_scatter is cpu_compat.reduce_scatter
+    assert tfh.alignment["cpu"] == 256 and tfh.get_current_device_type() == "cpu"
+    group, _store = _gloo_group(9003)
+    buf = paddle.arange(4, dtype="float32") + 1.0
+    view = buf._slice(0, 4)
+    cpu_compat.reduce_scatter(view, buf, group=group, sync_op=False).wait()
+    assert buf.numpy().tolist() == [1.0, 2.0, 3.0, 4.0]   # one rank: its part is the whole sum
+    out = paddle.zeros([4])
+    cpu_compat.reduce_scatter(out, [paddle.ones([2]), paddle.full([2], 3.0)], op=ReduceOp.AVG, group=group)
+    assert out.numpy().tolist() == [1.0, 1.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="SUM or AVG only"):
+        cpu_compat.reduce_scatter(out, buf, op=ReduceOp.MAX, group=group)
+
+
+def test_split_param_shim_does_nothing_on_a_cuda_build(monkeypatch):
+    import paddle.distributed as dist
+
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    before = dist.reduce_scatter
+    assert cpu_compat.install_split_param() is False
+    assert dist.reduce_scatter is before

@@ -7,7 +7,8 @@ tools/probes/sharding_v2_probe.py trains beside the sharded one on every rank.
   changes it: then V2 may run unpatched).
 - V2 as paddle ships it: from the second step the grads leave the buffer, V2 reduce-scatters zeros
   and the weights leave the reference by > 1e-3.
-- V2 with clear_grad zeroing in place: equal to one process (1e-6) with gradient clipping active
+- V2 with clear_grad zeroing in place (paddletune's fix, parallel/paddle_fixes.py, and its gloo
+  reduce_scatter emulation, cpu_compat shim 7, as the Trainer runs them): equal to one process (1e-6) with gradient clipping active
   (coefficient 0.008), 2 accumulated micro-batches per step and paddletune's per-tensor settings
   on a flat parameter list (no decay on biases, lr scale 2 on biases: they move the reference's
   weights by up to 3e-2, so a slice that lost them would show), the reduce_scatter emulation equal to a hand-worked reduction, the fused

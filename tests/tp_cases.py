@@ -49,7 +49,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
                zero_padding=False, trace=False, recompute_granularity="full", sharding="",
-               sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False):
+               sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False,
+               sharding_config=""):
     import numpy as np
     import paddle
 
@@ -68,7 +69,8 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                          per_device_eval_batch_size=4, adam_epsilon=adam_epsilon,
                          save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                          resume_from_checkpoint=resume, sharding=sharding,
-                         sharding_parallel_degree=sharding_degree, virtual_pp_degree=vpp)
+                         sharding_parallel_degree=sharding_degree, virtual_pp_degree=vpp,
+                         sharding_parallel_config=sharding_config)
     topo = parallel.init(args)
     runtime.set_seed(0)
     q = QuantArgument(weight_quantize_algo=quant) if quant else None

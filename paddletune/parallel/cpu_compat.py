@@ -66,6 +66,17 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    `_hcg` becomes a view of fleet's hcg whose pipeline group routes each send / receive to the
    2-rank group of the two stages (created collectively, one TCPStore each as in 1.); all
    other calls go to fleet's hcg unchanged. 2 stages need nothing (the group is the pair).
+7. fleet's DygraphShardingOptimizerV2 (`split_param`, `install_split_param`): its fused buffers
+   (tensor_fusion_helper.py) pad each parameter to `alignment[device type]` bytes x S, and the
+   device type of a CPU build is "unknown" (CPUPlace has no get_device_type; the table lists
+   gpu / npu / xpu only: AssertionError "tensor fusion helper now only support"): "cpu" gets the
+   GPU's 256 bytes, so the padding and every rank's range are the ones a GPU run has. And gloo
+   has no reduce_scatter ("ProcessGroupGLOO does not support reduce_scatter"):
+   `paddle.distributed.reduce_scatter`, which V2's buffer calls for its gradients, becomes an
+   emulation that all-reduces a copy of the input over the group and keeps this rank's
+   contiguous part (S x the traffic of a reduce_scatter; the sums are the same). The update
+   (paddletune's, on the owned flat slices) and V2's all_gather of the updated parameters are
+   paddle's own.
 """
 import contextlib
 import os
@@ -382,3 +393,58 @@ def route_p2p_over_pairs(hcg, stage_ranks_of, world):
                 pairs[b if me == a else a] = group
     p2p._hcg = _HcgWithPairs(hcg, _PairRoutes(hcg.get_pipe_parallel_group(), pairs))
     return pairs
+
+
+class _Done:
+    """The task a synchronous emulated collective returns (wait() / is_completed())."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def reduce_scatter(tensor, tensor_or_tensor_list, op=None, group=None, sync_op=True):
+    """paddle.distributed.reduce_scatter on gloo (shim 7): all-reduce a copy of the input (the
+    concatenation of a list) over `group`, then write this rank's contiguous part into `tensor`
+    (in place: V2 passes a view of its gradient buffer). SUM and AVG, as paddle's."""
+    import paddle.distributed as dist
+    from paddle.distributed import ReduceOp
+
+    op = ReduceOp.SUM if op is None else op
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"reduce_scatter emulation: SUM or AVG only, got {op}")
+    src = tensor_or_tensor_list
+    with paddle.no_grad():
+        full = (paddle.concat([t.reshape([-1]) for t in src]) if isinstance(src, (list, tuple))
+                else src.reshape([-1]).clone())
+        n, r = (group.nranks, group.rank) if group is not None else (dist.get_world_size(), dist.get_rank())
+        dist.all_reduce(full, op=ReduceOp.SUM, group=group)
+        if op == ReduceOp.AVG:
+            full = full / n
+        size = full.shape[0] // n
+        paddle.assign(full[r * size:(r + 1) * size].reshape(tensor.shape), output=tensor)
+    return _Done()
+
+
+SPLIT_PARAM_ORIGINALS = {}
+
+
+def install_split_param():
+    """Shim 7 on CPU builds (once per process); returns whether it is installed. Nothing is
+    patched on CUDA builds."""
+    if paddle.is_compiled_with_cuda():
+        return False
+    if SPLIT_PARAM_ORIGINALS:
+        return True
+    import paddle.distributed as dist
+    from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
+
+    SPLIT_PARAM_ORIGINALS.update(reduce_scatter=dist.reduce_scatter, alignment=dict(tfh.alignment),
+                                 device_type=tfh.__current_device_type__)
+    tfh.alignment.setdefault("cpu", tfh.alignment["gpu"])
+    if tfh.__current_device_type__ is None:
+        tfh.__current_device_type__ = "cpu"
+    dist.reduce_scatter = reduce_scatter
+    return True

@@ -39,6 +39,18 @@ from its owner. The loss factor is dp x S. Every rank holds every gradient until
 group partitions that stage's tensors (copies held on several stages are summed over the
 pipeline group first: layout.Parallel.step, pipeline.py's shared layer).
 
+With `sharding_parallel_config: split_param` (PaddleNLP's spelling; no TP) stage 1 is fleet's
+DygraphShardingOptimizerV2 instead: every parameter lives in one fused buffer (padded per tensor
+to 256 bytes x S), the buffer is cut into S equal contiguous ranges and rank r updates range r.
+Its step reduce-scatters the gradient buffer (gloo: cpu_compat shim 7), all-reduces the owned
+range over dp, calls _apply_optimize with this rank's flat slices (here: the trainer's update on
+those slices: norm over the sharding group, clipping, AdamW with each tensor's decay and lr
+scale, which V2's slice parameters carry by name and optimize_attr) and all-gathers the updated
+buffer. A tensor may be cut between two ranks, so each rank's AdamW state is 1/S of the padded
+buffer, not whole tensors; checkpoints still hold whole tensors (`gather_state` at save, the
+AdamW slices at load). Paddle's clear_grad would cut every .grad off the buffer after the first
+step (paddle_fixes.py 1.): its in-place replacement runs.
+
 Data parallel with tensor and / or pipeline parallel (FleetDataParallel below): no reducer
 during backward (fleet's TensorParallel / PipelineParallel model wrappers have none either: their
 data-parallel sum is the optimizer's); the trainer's optimizer goes through
@@ -149,15 +161,18 @@ class FleetDataParallel:
     step is given its gradient as .main_grad for the step (removed after): every dp rank passes
     the same tensors, so fleet's buckets match across ranks."""
 
-    def __init__(self, hcg, degree, sharding=False):
-        self.hcg, self.degree, self.sharding = hcg, degree, sharding
+    def __init__(self, hcg, degree, sharding=False, split=False):
+        self.hcg, self.degree, self.sharding, self.split = hcg, degree, sharding, split
+        self.slices = {}    # split_param: {full name: (slice parameter, lo, hi)} of this rank's range
+        self.writers = {}   # split_param: {full name: sharding rank holding its first element}
         self.hybrid = None     # fleet's HybridParallelOptimizer, after wrap
         self._update = None    # the trainer's update of this step (called by the inner step)
 
     @classmethod
     def for_layout(cls, topo, tp, pp, shard, ep):
         if getattr(shard, "fleet", False):   # sharding stage 1 (x DP, x TP): module docstring
-            return cls(topo.hcg, topo.dp_degree * topo.sharding_degree, sharding=True)
+            return cls(topo.hcg, topo.dp_degree * topo.sharding_degree, sharding=True,
+                       split=getattr(shard, "split", False))
         if (topo.hcg is None or topo.dp_degree <= 1 or (tp is None and pp is None)
                 or shard is not None or ep is not None or topo.sharding_degree > 1):
             return None
@@ -175,7 +190,10 @@ class FleetDataParallel:
 
     def owners(self, optimizer):
         """{full name: sharding rank} of fleet's stage-1 partition (its _param2rank, by paddle
-        name; greedy by numel, largest first: the partition is paddle's, not ours)."""
+        name; greedy by numel, largest first: the partition is paddle's, not ours). split_param:
+        the rank whose range holds the tensor's first element (it writes the whole tensor)."""
+        if self.split:
+            return dict(self.writers)
         ranks = self.hybrid._inner_opt._param2rank
         return {n: ranks[t.name] for n, t in optimizer.targets.items()}
 
@@ -191,9 +209,14 @@ class FleetDataParallel:
         # TP rank by construction (the same summed gradient and update), and the filter needs
         # `is_distributed`, which a DTensor's local shard lacks; off
         configs["mp_configs"].sync_param = False
-        if self.sharding:   # V1, per-tensor reduce / broadcast (PaddleNLP's split_param is V2)
+        if self.sharding:   # V1 (per-tensor reduce / broadcast) or, with split_param, V2
             sc = configs["sharding_configs"]
-            sc.split_param = sc.tensor_fusion = sc.comm_overlap = False
+            sc.split_param = self.split
+            sc.tensor_fusion = sc.comm_overlap = False
+            if self.split:
+                from .cpu_compat import install_split_param
+
+                install_split_param()   # gloo: alignment and reduce_scatter (CPU builds only)
         self.hybrid = fleet.distributed_optimizer(inner)
         want_dp = self.hcg.get_data_parallel_world_size() > 1 if self.sharding else True
         if self.hybrid._dp_enable != want_dp or self.hybrid._sharding_enable != self.sharding:
@@ -201,20 +224,76 @@ class FleetDataParallel:
                                f"sharding {self.hybrid._sharding_enable}, expected {want_dp}, "
                                f"{self.sharding}; paddle changed its rules?")
         if self.sharding:
-            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import \
-                DygraphShardingOptimizer
+            from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
 
+            want = dso.DygraphShardingOptimizerV2 if self.split else dso.DygraphShardingOptimizer
             sharded = self.hybrid._inner_opt
-            if type(sharded) is not DygraphShardingOptimizer:
-                raise RuntimeError(f"fleet built {type(sharded).__name__}, expected DygraphShardingOptimizer")
+            if type(sharded) is not want:
+                raise RuntimeError(f"fleet built {type(sharded).__name__}, expected {want.__name__}")
             # its step(): _apply_optimize(this rank's (param, grad) pairs), then the owners'
             # broadcasts; the trainer's update replaces the first (an instance attribute: the
             # wrapper's __getattr__ would reach the paddle AdamW's)
             sharded._apply_optimize = lambda *a, **k: self._inner_step()
+            if self.split:
+                from .paddle_fixes import fix_v2_clear_grad
+
+                fix_v2_clear_grad(sharded)
+                self._map_slices(optimizer, sharded)
         else:
             inner.step = self._inner_step
         logger.info(f"data parallel: fleet's {' -> '.join(self.chain)} reduces gradients over "
                     f"{self.degree} ranks in its step")
+
+    def _views(self, optimizer):
+        """(full name, buffer, its ShardingGradView, range size) of every tensor V2 fused."""
+        S = self.hcg.get_sharding_parallel_world_size()
+        for buf in self.hybrid._inner_opt._comm_buffer_list:
+            for p in buf.params:
+                yield optimizer.full_name[p.name], buf, buf._sharding_param_grad_view[p.name], buf.buffer_size // S
+
+    def _map_slices(self, optimizer, sharded):
+        """split_param: this rank's flat slices and the writer of each tensor. V2 gives its slice
+        parameters storage and gradients only inside its first step (_assign_slice_grad); done
+        here once instead (the same call V2 repeats in every step), so AdamW's moments exist on
+        the slices before that step (a resume loads them) and fleet's dp all-reduce, which
+        skips slice parameters without storage (filter_parameters), covers step 1 too."""
+        sharded._assign_slice_grad()
+        for n, buf, view, size in self._views(optimizer):
+            self.writers[n] = view._index // size
+            if view._param_begin < view._param_end:
+                self.slices[n] = (sharded._slice_params[view._param.name],
+                                  view._param_begin - view._index, view._param_end - view._index)
+
+    def gather_state(self, tensors, optimizer, kinds=("exp_avg", "exp_avg_sq")):
+        """split_param: {name.kind: whole array} of every fused tensor from this rank's {name.kind:
+        flat slice} (optimizer.state_dict under V2): per buffer and kind, each rank's range is
+        all-gathered over the sharding group (collective: every rank of the group calls it)."""
+        import numpy as np
+        import paddle.distributed as dist
+
+        group = self.hcg.get_sharding_parallel_group()
+        views = list(self._views(optimizer))
+        out = {}
+        for buf in self.hybrid._inner_opt._comm_buffer_list:
+            mine = [(n, v, size) for n, b, v, size in views if b is buf]
+            size = mine[0][2]
+            start = size * group.rank
+            for kind in kinds:
+                part = np.zeros(size, np.float32)
+                for n, v, _ in mine:
+                    if n in self.slices and f"{n}.{kind}" in tensors:
+                        part[v._param_begin - start:v._param_end - start] = np.asarray(tensors[f"{n}.{kind}"]).reshape(-1)
+                got = []
+                dist.all_gather(got, paddle.to_tensor(part), group=group)
+                whole = np.concatenate([t.numpy() for t in got])
+                for n, v, _ in mine:
+                    shape = list(v._param.shape)
+                    out[f"{n}.{kind}"] = whole[v._index:v._index + int(np.prod(shape))].reshape(shape)
+        return out
+
+    def clear_grad(self):
+        """split_param: V2's clear_grad (paddle_fixes: zeroed in place, still in the buffer)."""
+        self.hybrid.clear_grad()
 
     def _inner_step(self):
         self._update()
@@ -223,7 +302,7 @@ class FleetDataParallel:
         """fleet's step over the gradients `grads` of `named` (name, parameter); update(grads
         reduced over dp) runs inside it. Returns what update returns."""
         staged, out = [], {}
-        for (n, _), g in zip(named, grads):
+        for (n, _), g in zip(named, grads if not self.split else ()):
             t = optimizer.targets[n]
             if t._grad_ivar() is None:   # a DTensor's shard, or no gradient this step
                 t.main_grad = g
@@ -231,9 +310,13 @@ class FleetDataParallel:
         stage = {id(t) for t in staged}
 
         def run():
-            # (read again: fleet writes the reduced values into the gradient tensors it found)
-            reduced = [t.main_grad if id(t) in stage else t.grad
-                       for t in (optimizer.targets[n] for n, _ in named)]
+            # (read again: fleet writes the reduced values into the gradient tensors it found;
+            # split_param: this rank's slices of the reduce-scattered buffer, None elsewhere)
+            if self.split:
+                reduced = [self.slices[n][0]._grad_ivar() if n in self.slices else None for n, _ in named]
+            else:
+                reduced = [t.main_grad if id(t) in stage else t.grad
+                           for t in (optimizer.targets[n] for n, _ in named)]
             out["result"] = update(reduced)
 
         self._update = run

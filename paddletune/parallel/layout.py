@@ -23,6 +23,8 @@ Who sums the data-parallel gradients, by layout:
   all-reduce of the owned, our update on the owned tensors, the owners' broadcasts; fleet's
   partition becomes the Sharding's owner map (checkpoints: each owner writes its tensors);
   under PP, copies held on several stages are summed over the stages before fleet's reduce;
+  with split_param (no TP) its DygraphShardingOptimizerV2: our update on this rank's flat
+  slices of the fused buffer, the state gathered to whole tensors at save (data.py);
 - sharding stage 2 without TP / PP: paddle's group_sharded_parallel("os_g")
   (group_sharded.GroupShardedStage2 as `hybrid`): the trainer's forward goes through its layer
   wrapper (forward_model), its hooks reduce each gradient to the owner during backward, its
@@ -142,7 +144,10 @@ class Parallel:
             self.hybrid.wrap(optimizer)
             if self.hybrid.sharding:   # stage 1 on fleet: its partition; moments of ours only
                 self.shard.adopt(self.hybrid.owners(optimizer))
-                optimizer.keep_state(self.shard.owned)
+                if getattr(self.hybrid, "split", False):   # V2: moments on this rank's flat slices
+                    optimizer.use_slices(self.hybrid.slices)
+                else:
+                    optimizer.keep_state(self.shard.owned)
         if self.shard is not None:
             self.shard.release(trainable)   # stage 3: non-owned values dropped between steps
 
@@ -198,7 +203,9 @@ class Parallel:
             # optimizer: before its step, `step`); a tied embedding's two copies were summed by
             # fleet's shared comm at the end of forward_backward_pipeline (pipeline.py)
             grads = self.pp.sum_replicated_grads(named, grads)
-        if self.shard is not None and self.shard.fleet:   # fleet summed the owners' (data.py)
+        if self.shard is not None and self.shard.split:
+            pass   # V2: this rank's reduced slices already (None where it holds none)
+        elif self.shard is not None and self.shard.fleet:   # fleet summed the owners' (data.py)
             grads = [g if self.shard.owns(n) else None for n, g in zip(names, grads)]
         elif self.shard is not None and self.shard.stage >= 2:
             grads = self.shard.reduce_grads(names, grads)    # None where another rank owns it
@@ -236,6 +243,9 @@ class Parallel:
         gradients in its buffer; releasing them would cut them off it)."""
         if getattr(self.hybrid, "opt", None) is not None:
             self.hybrid.opt.clear_grad()
+            return
+        if getattr(self.hybrid, "split", False):   # V2: zeroed in its fused buffer (data.py)
+            self.hybrid.clear_grad()
             return
         for p in trainable.values():
             p.clear_gradient(False)
@@ -333,6 +343,9 @@ class Parallel:
         pieces (full-model names, global boxes). Under TP a replicated tensor is written by the
         first TP rank only; under PP each stage writes its own tensors (a tied embedding once)."""
         tensors, meta = optimizer.state_dict()
+        if getattr(self.hybrid, "split", False):   # V2's flat slices -> whole tensors (collective)
+            kinds = ("exp_avg", "exp_avg_sq") + (("master",) if optimizer.masters() else ())
+            tensors = self.hybrid.gather_state(tensors, optimizer, kinds)
         if self.tp is None:
             own = {n: p for n, p in trainable.items()
                    if (self.pp is None or self.pp.counts_once(n)) and self.owns(n)

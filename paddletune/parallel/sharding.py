@@ -12,7 +12,8 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             step reduces each gradient to its owner (sharding group), all-reduces the owned ones
             over dp, runs the trainer's update on the owner's tensors and broadcasts them (its
             partition: greedy by numel, largest first; parallel/data.py FleetDataParallel,
-            `on_fleet`). Under PP each stage's sharding group partitions that stage's tensors,
+            `on_fleet`); with sharding_parallel_config split_param (no TP, no PP) fleet's
+            DygraphShardingOptimizerV2: flat 1/S ranges of one fused buffer (`split`). Under PP each stage's sharding group partitions that stage's tensors,
             so the two copies of a tied embedding (first and last stage) or of a tensor every
             stage holds (a prefix) can have different owners: their copies are summed over the
             pipeline group before fleet's reduce (tied: fleet's shared comm at the end of
@@ -123,6 +124,7 @@ class Sharding:
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
         self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
         self.stats = {}   # what a rank holds, measured (tests assert the split)
+        self.split = False   # stage 1 as fleet's DygraphShardingOptimizerV2 (split_param, data.py)
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
@@ -461,6 +463,34 @@ def check_offload(args, degrees, ep=1):
         raise ValueError(OFFLOAD_STAGE1)
 
 
+SPLIT_PARAM_TP = ("sharding_parallel_config 'split_param' with tensor_parallel_degree > 1: fleet's "
+                  "DygraphShardingOptimizerV2 moves each parameter into its fused buffer, which a "
+                  "tensor-parallel slice (a DTensor's local value) cannot follow; stage 1 runs V1 "
+                  "(DygraphShardingOptimizer, whole tensors per rank)")
+
+
+SPLIT_PARAM_PP = ("sharding_parallel_config 'split_param' with pipeline_parallel_degree > 1: not wired "
+                  "with fleet's pipeline here (untested); stage 1 runs V1 (DygraphShardingOptimizer)")
+
+
+def wants_split_param(args, topo):
+    """Stage 1 as fleet's DygraphShardingOptimizerV2: PaddleNLP's `sharding_parallel_config:
+    split_param`, on layouts without tensor / pipeline parallel (warned once there: V1 runs)."""
+    if "split_param" not in (getattr(args, "sharding_parallel_config", "") or "").split():
+        return False
+    if topo.degrees["tp"] > 1:
+        from ..runtime import warn_once
+
+        warn_once("split_param_tp", SPLIT_PARAM_TP)
+        return False
+    if topo.degrees.get("pp", 1) > 1:
+        from ..runtime import warn_once
+
+        warn_once("split_param_pp", SPLIT_PARAM_PP)
+        return False
+    return True
+
+
 def for_trainer(args, topo, named, local=lambda p: p, model=None):
     """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
     separate host memory on a CPU build: warned once."""
@@ -481,6 +511,7 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)
     shard = Sharding(topo, stage, named, local, fleet=fleet)
+    shard.split = fleet and stage == 1 and wants_split_param(args, topo)
     shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
     if model is not None:
         shard.install_layerwise(model, dict(named))

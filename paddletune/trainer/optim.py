@@ -14,6 +14,11 @@ p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update)
   every trainable tensor, fleet's sharding optimizer partitions them, and keep_state(names) then
   creates the moments of this rank's tensors only (`held`); state_dict / load_state_dict /
   exp_avg cover `held`.
+- Sharding stage 1 with split_param (fleet's DygraphShardingOptimizerV2): use_slices gives the
+  paddle AdamW V2's flat slice parameters (same paddle names, the same optimize_attr) for this
+  rank's range of the fused buffer: moments live on the slices, step() updates them,
+  load_state_dict cuts a whole tensor's state to the slice; state_dict returns the slices
+  (parallel/layout.py gathers them to whole tensors for a checkpoint).
 - The no-decay rule (`no_decay`) goes through apply_decay_param_fun (called with param.name).
 - The learning rate of each step comes from the trainer (`lr_at`): set_lr fills paddle's lr
   tensor in place (no host sync).
@@ -83,6 +88,8 @@ class AdamW:
             parameters=list(self.targets.values()), apply_decay_param_fun=lambda pname: decay[pname],
             multi_precision=bool(multi_precision) and not offload)   # (offload keeps its own masters)
         self.held = []
+        self.slices = {}          # split_param: {name: (lo, hi)} of the flat tensor this rank updates
+        self.update_targets = {}  # split_param: {name: V2's slice parameter}
         if not defer_state:
             self.keep_state(list(self.params))
         self.t = 0
@@ -94,6 +101,27 @@ class AdamW:
         self.held = [n for n in self.params if n in set(names)]
         block = paddle.static.default_main_program().global_block()
         self.opt._create_accumulators(block, [self.targets[n] for n in self.held])
+
+    def use_slices(self, slices):
+        """fleet's DygraphShardingOptimizerV2: slices = {name: (slice parameter, lo, hi)}, this
+        rank's part [lo, hi) of each flattened (padded) tensor; its moments are created now."""
+        self.slices = {n: (lo, hi) for n, (_, lo, hi) in slices.items()}
+        self.update_targets = {n: t for n, (t, _, _) in slices.items()}
+        self.held = [n for n in self.params if n in slices]
+        block = paddle.static.default_main_program().global_block()
+        self.opt._create_accumulators(block, [self.update_targets[n] for n in self.held])
+
+    def _fit(self, n, array):
+        """A whole tensor's state as this rank holds it: the flat slice [lo, hi) under split_param
+        (zeros past the tensor's end: V2's padding), else as is."""
+        array = np.asarray(array, np.float32)
+        if n not in self.slices:
+            return array
+        lo, hi = self.slices[n]
+        flat, out = array.reshape(-1), np.zeros(hi - lo, np.float32)
+        k = max(0, min(hi, flat.size) - lo)
+        out[:k] = flat[lo:lo + k]
+        return out
 
     def _host_copy(self, n, p):
         t = p.cpu().astype("float32")
@@ -133,7 +161,7 @@ class AdamW:
         for n in self.held:
             g = grads.get(n)
             if g is not None:
-                t = self.targets[n]
+                t = self.update_targets.get(n, self.targets[n])
                 pairs.append((t, g.cpu().astype("float32") if self.offload else g))
                 for kind, value in pows:
                     self.opt._accumulators[kind][self._key(t)].fill_(value)
@@ -166,10 +194,10 @@ class AdamW:
                               (f"{n}.exp_avg_sq", self.opt._moment2_acc_str)):
                 if key not in tensors:
                     raise ValueError(f"optimizer state lacks {key}: checkpoint from a different setup?")
-                self._acc(kind, n).set_value(np.asarray(tensors[key], np.float32))
+                self._acc(kind, n).set_value(self._fit(n, tensors[key]))
         for n, m in self.masters().items():   # (a checkpoint of a float32 run: masters as created)
             if f"{n}.master" in tensors:
-                m.set_value(np.asarray(tensors[f"{n}.master"], np.float32))
+                m.set_value(self._fit(n, tensors[f"{n}.master"]))
 
 
 def lr_at(step, total, base_lr, warmup=0, kind="linear", min_lr=0.0):

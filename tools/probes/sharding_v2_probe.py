@@ -10,9 +10,11 @@ the first step and tensor that diverge are visible. Before training it checks th
 reduce_scatter emulation against a hand-computed reduction, once writing into a plain tensor and
 once into a `_slice` view of the input (the way V2's FusedCommBuffer calls it).
 
-Emulations ("--rs"): gloo has no reduce_scatter. Both all-reduce a copy of the input and keep this
+Emulations ("--rs"): gloo has no reduce_scatter. All all-reduce a copy of the input and keep this
 rank's part; "copy" writes the part with `Tensor.copy_` (the probe in /work/shared did this),
-"slice" writes it through `paddle.assign` into the output view's own memory.
+"slice" writes it through `paddle.assign` into the output view's own memory, "shim" (default) is
+paddletune's cpu_compat shim 7 (what the Trainer runs). `--fix zero` is paddletune's fix
+(parallel/paddle_fixes.py) on the V2 instance.
 The finding is in docs/notes/sharding_v2.md.
 """
 import argparse
@@ -113,6 +115,11 @@ def make_reduce_scatter(how):
 
 
 def install(how):
+    if how == "shim":
+        from paddletune.parallel import cpu_compat
+
+        cpu_compat.install_split_param()
+        return
     from paddle.distributed.communication import reduce_scatter as mod
     from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
     rs = make_reduce_scatter(how)
@@ -122,28 +129,12 @@ def install(how):
     tfh.__current_device_type__ = "cpu"      # skips the gpu/npu/xpu assert
 
 
-def install_zero_clear_grad():
-    """V2.clear_grad without main_grad calls p.clear_gradient(True), which marks the leaf's grad
-    "fake empty": the next backward *replaces* p.grad by a new tensor instead of adding into it, so
-    p.grad leaves the fused buffer that V2 reduce-scatters. Zero it in place instead (V1 does so for
-    its own fused buffer: tensor_fusion, dygraph_sharding_optimizer.py:229-231)."""
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
-    orig = dso.DygraphShardingOptimizerV2.clear_grad
-
-    def clear_grad(self, set_to_zero=True):
-        if set_to_zero and not self.sd_release_grads:
-            with paddle.no_grad():
-                for q in self._parameter_list:
-                    if not hasattr(q, "main_grad") and q.grad is not None:
-                        q.grad.zero_()
-            return
-        return orig(self, set_to_zero)
-    dso.DygraphShardingOptimizerV2.clear_grad = clear_grad
-
-
 def check_emulation(rank, how):
     """The emulation against a hand-worked reduction, into a plain tensor and into a _slice view."""
-    rs = make_reduce_scatter(how)
+    if how == "shim":
+        from paddletune.parallel.cpu_compat import reduce_scatter as rs
+    else:
+        rs = make_reduce_scatter(how)
     x = paddle.arange(8, dtype="float32") + 100 * rank          # rank0: 0..7, rank1: 100..107
     want = (np.arange(8) * 2 + 100).astype("float32")[rank * 4:(rank + 1) * 4]
     out = paddle.zeros([4], "float32")
@@ -203,7 +194,7 @@ def linked(rank, opt, when):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["v1", "v2"])
-    p.add_argument("--rs", choices=["copy", "slice"], default="slice")
+    p.add_argument("--rs", choices=["copy", "slice", "shim"], default="shim")
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--like", action="store_true", help="paddletune-like per-tensor decay / lr scales")
     p.add_argument("--accum", type=int, default=1, choices=[1, 2, 4], help="gradient accumulation steps")
@@ -221,8 +212,6 @@ def main():
         strategy.hybrid_configs["sharding_configs"].release_gradients = True
     fleet.init(is_collective=True, strategy=strategy)
     install(a.rs)
-    if a.fix == "zero":
-        install_zero_clear_grad()
     rank = dist.get_rank()
     emulation = check_emulation(rank, a.rs)
     model = MLP()
@@ -230,6 +219,10 @@ def main():
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
     inner = getattr(opt, "_inner_opt", opt)
+    if a.fix == "zero":   # paddletune's fix, on this V2 instance
+        from paddletune.parallel.paddle_fixes import fix_v2_clear_grad
+
+        fix_v2_clear_grad(inner)
     PNAME.update({q.name: n.replace("_layers.", "") for n, q in model.named_parameters()})
     print(rank, "optimizer:", type(opt).__name__, "->", type(inner).__name__, flush=True)
     worst, still_linked = 0.0, []
