@@ -35,8 +35,8 @@ def copy_data(n, seed, vocab=600):
 
 def _gather_trainable(model, trainer, tpg):
     """{name: whole array} of the trainable tensors (gathered from the TP ranks)."""
-    if tpg is None:
-        return {n: p.numpy() for n, p in trainer.trainable.items()}
+    if tpg is None:   # (paddle's stage 3: each tensor's slices gathered)
+        return trainer.par.whole_arrays(trainer.trainable)
     from paddletune.parallel.tensor import full_array
 
     log, tpg.log = tpg.log, None
@@ -49,9 +49,15 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                lr=1e-2, lora_dropout=0.0, quant=None, eval_n=8, record=True, adam_epsilon=1e-4,
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
                zero_padding=False, trace=False, recompute_granularity="full", sharding="",
-               sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False):
+               sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False, segment_size=0):
     import numpy as np
     import paddle
+
+    from paddletune.parallel import group_sharded
+
+    # paddle's stage 3 slices tensors of more than segment_size elements; the rule's value (S
+    # alignment units) would leave most of these tiny models' tensors whole: 0 slices them all
+    group_sharded.SEGMENT_SIZE = segment_size
 
     from conftest import training_args
     from paddletune import parallel, peft, runtime

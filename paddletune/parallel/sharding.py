@@ -56,6 +56,9 @@ from paddle.autograd import PyLayer
 
 STAGES = ("stage1", "stage2", "stage3")
 BUCKET = 1 << 22   # elements per flat collective (16 MB in float32)
+# stage 3 without TP / PP on paddle's group_sharded_parallel("p_g_os") (group_sharded.py);
+# False: this module's layer-wise stage 3
+PADDLE_STAGE3 = False
 
 
 def stage_of(value):
@@ -111,9 +114,11 @@ class Sharding:
         self.local = local
         self.shapes = {n: list(local(p).shape) for n, p in named}
         self.dtypes = {n: p.dtype for n, p in named}
-        # fleet (stage 1): every tensor counts as this rank's until adopt() takes fleet's partition
-        self.owner = {} if fleet else dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names],
-                                                                 self.degree)))
+        ours = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
+        # fleet (stage 1): every tensor counts as this rank's until adopt() takes fleet's partition;
+        # paddle's stage 3: every rank updates its slice of every tensor (no owner)
+        self.owner = {} if fleet else ours
+        self.writer_of = ours   # paddle's stage 3: who writes a tensor to a checkpoint
         self.owned = [n for n in names if self.owns(n)]
         self.released = False
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
@@ -122,6 +127,13 @@ class Sharding:
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
+
+    def writes(self, name):
+        """Whether this rank writes `name` to a checkpoint: its owner, or under paddle's stage 3
+        (every rank holds a slice of it) our partition's owner of the gathered tensor."""
+        if self.stage >= 3 and self.fleet:
+            return self.writer_of[name] == self.rank
+        return self.owns(name)
 
     def adopt(self, owner):
         """fleet's partition ({name: sharding rank}, data.FleetDataParallel.owners) replaces ours."""
@@ -240,12 +252,12 @@ class Sharding:
         """Stage 3: hook the model's decoder blocks (model.decoder_layers()) so each is gathered
         only while its forward or backward runs."""
         blocks = model.decoder_layers() if hasattr(model, "decoder_layers") else None
-        if self.stage >= 3 and blocks is not None:
+        if self.stage >= 3 and blocks is not None and not self.fleet:   # (paddle's: its own hooks)
             self.layerwise = Layerwise(self, blocks, params)
 
     def release(self, params):
-        """Stage 3: drop the storage of every tensor this rank does not own."""
-        if self.stage < 3:
+        """Stage 3 (ours): drop the storage of every tensor this rank does not own."""
+        if self.stage < 3 or self.fleet:   # (paddle's stage 3 holds slices: group_sharded.py)
             return
         for n, p in params.items():
             if not self.owns(n) and p._is_initialized():
@@ -256,7 +268,11 @@ class Sharding:
 
     def resident(self, params):
         """Elements of this rank's local shards that hold storage now (stage 3 between steps:
-        the owned ones only)."""
+        the owned ones only; paddle's stage 3: each tensor's slice)."""
+        if self.stage >= 3 and self.fleet:
+            from .group_sharded import held_numel
+
+            return sum(held_numel(p) for p in params.values())
         return sum(int(np.prod(self.shapes[n])) for n, p in params.items() if p._is_initialized())
 
     def after_step(self, params):
@@ -444,7 +460,8 @@ def on_fleet(stage, topo, model=None, offload=False):
             and getattr(model, "expert_parallel", None) is None):
         return False
     gpu_offload = offload and paddle.is_compiled_with_cuda()
-    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and not gpu_offload)
+    return stage == 1 or (stage in ((2, 3) if PADDLE_STAGE3 else (2,)) and topo.degrees["tp"] == 1
+                          and not gpu_offload)
 
 
 def check_offload(args, degrees, ep=1):
