@@ -178,7 +178,12 @@ def _holdings(trainer, info):
         size = lambda names: sum(int(np.prod(trainer.par.shard.shapes[n])) for n in names)  # noqa: E731
         mine = lambda names: [n for n in names if not trainer.par.shard.owns(n)]  # noqa: E731
         shard = dict(shard, peak_bound=resident + size(mine(lw.rest)) + max(size(mine(u.names)) for u in lw.units))
+    from paddletune.parallel.group_sharded import held_numel
+
+    frozen = [p for p in trainer.model.parameters() if p.stop_gradient]   # (a PEFT backbone)
     return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
+            # frozen parameters: [elements held now (paddle's stage 3: slices), whole, count]
+            "frozen": [sum(held_numel(p) for p in frozen), sum(paddle_numel(p) for p in frozen), len(frozen)],
             "optimizer_numel": opt}
 
 

@@ -1,4 +1,5 @@
-"""Sharding stage 2 on paddle's group_sharded_parallel(level="os_g"), layouts without TP / PP.
+"""Sharding stages 2 and 3 on paddle's group_sharded_parallel (level "os_g" / "p_g_os"), layouts
+without TP / PP. Stage 3: GroupShardedStage3 below (same face as GroupShardedStage2).
 
     gs = GroupShardedStage2.for_layout(model, topo, shard)   # None where it does not apply
     gs.wrap(optimizer)          # after the trainer's AdamW: paddle's wrappers around its paddle AdamW
@@ -223,7 +224,9 @@ class GroupShardedStage3:
         from .cpu_compat import install_group_sharded
 
         install_group_sharded()   # (CPU builds only)
-        group = self.topo.groups.get("sharding")   # None: the whole world
+        # the world group when sharding spans it (paddle's stage 3 would create a new group for
+        # None at every wrap: one more gloo group per Trainer in a process)
+        group = self.topo.groups.get("sharding") or dist.get_group(0)
         dp = self.topo.groups.get("dp") if self.topo.dp_degree > 1 else None
         optimizer.opt.step = self._inner_step   # paddle's step wraps the step it finds at wrap time
         first = next(iter(optimizer.params.values()))

@@ -22,7 +22,11 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             data-parallel replicas of that owner), and every rank drops the gradients of the
             tensors it does not own right away (during backward a rank holds the whole
             gradient: gloo has no reduce_scatter, and reducing inside backward is not built)
-    stage3  parameters as well: between steps a rank holds only its own tensors' values (the
+    stage3  parameters as well. Without TP / PP this is paddle's group_sharded_parallel("p_g_os")
+            (group_sharded.GroupShardedStage3: flat padded slices of every tensor above
+            segment_size, frozen ones included, gathered per layer by its hooks). Under TP
+            (and with AMP O2 or offload on a GPU) the code below runs it:
+            between steps a rank holds only its own tensors' values (the
             others' storage is released). During a step the decoder blocks are gathered one at a
             time (`Layerwise`): a block's tensors are broadcast from their owners just before its
             forward and released right after it, gathered again when backward reaches the block
@@ -37,8 +41,8 @@ under stage3 holds only their two values between steps.
 The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
-Stage 1 and (without TP) stage 2 are paddle's (above); stage 3, TP x stage 2 and PP x sharding
-are still this module's (issue 30). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
+Stage 1 and (without TP) stages 2 and 3 are paddle's (above); TP x stage 2/3 and PP x sharding
+are still this module's. Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
@@ -58,7 +62,7 @@ STAGES = ("stage1", "stage2", "stage3")
 BUCKET = 1 << 22   # elements per flat collective (16 MB in float32)
 # stage 3 without TP / PP on paddle's group_sharded_parallel("p_g_os") (group_sharded.py);
 # False: this module's layer-wise stage 3
-PADDLE_STAGE3 = False
+PADDLE_STAGE3 = True
 
 
 def stage_of(value):
@@ -491,6 +495,11 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
 
         raise ValueError(PP_STAGE23.format(stage=stage))
     fleet = on_fleet(stage, topo, model, offload)
+    if fleet and stage == 3:   # AMP O2's float32 masters of the slices are not in our checkpoints yet
+        from ..runtime import amp_settings
+
+        fleet = amp_settings(getattr(args, "fp16", False), getattr(args, "bf16", False),
+                             getattr(args, "fp16_opt_level", "O1"))[2] != "O2"
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)
     shard = Sharding(topo, stage, named, local, fleet=fleet)
