@@ -9,9 +9,12 @@ update). Asserted per rank: disjoint data shares that together make the global b
 state over the owned tensors only (~1/S), gradients held after the reduction ~1/S (stage2+),
 resident trainable values between steps ~1/S (stage3); which engine updates (stage 1: fleet's
 HybridParallelOptimizer -> DygraphShardingOptimizer; stage 2 without TP: group_sharded_parallel's
-GroupShardedStage2 -> GroupShardedOptimizerStage2) and what crossed the sharding group (the
-collective recorder, tests/sharding_cases.py: per-tensor reduce + broadcast for stage 1, reduces
-during every backward for stage 2, float32, no floating-point all-gather).
+GroupShardedStage2 -> GroupShardedOptimizerStage2; stage 3 without TP: GroupShardedStage3 ->
+AdamW, whose padded flat slices put each rank's counts within one alignment unit per tensor of
+1/S) and what crossed the sharding group (the collective recorder, tests/sharding_cases.py:
+per-tensor reduce + broadcast for stage 1, reduces during every backward for stage 2, float32, no
+floating-point all-gather; stage 3: float32 all-gathers and gradient all-reduces). Stage 3 on
+paddle also slices a LoRA backbone's frozen tensors (~1/2 per rank between steps).
 
 Resume across layouts: a checkpoint written at step 3 under TP=2 resumes under DP=2, PP=2,
 sharding stage2 (2 ranks) and in one process, one written under stage 1 (fleet's partition) or
