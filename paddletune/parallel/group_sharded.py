@@ -56,7 +56,9 @@ class GroupShardedStage2:
         from .cpu_compat import install_group_sharded
 
         install_group_sharded()   # (CPU builds only)
-        group = self.topo.groups.get("sharding")   # None: the whole world
+        # the world group when sharding spans it: for None paddle creates a new group at every
+        # wrap, one more gloo group per Trainer in a process (a flaky connect on a loaded machine)
+        group = self.topo.groups.get("sharding") or dist.get_group(0)
         dp = self.topo.groups.get("dp") if self.topo.dp_degree > 1 else None
         self.model, self.opt, _ = group_sharded_parallel(self.raw, optimizer.opt, level="os_g", group=group,
                                                          dp_group=dp, buffer_max_size=BUFFER_MAX_SIZE)
