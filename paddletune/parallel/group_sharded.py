@@ -320,3 +320,7 @@ class GroupShardedStage3:
     def gather_all(self):
         """The whole model on every rank (the end of training: export, evaluation, the caller)."""
         self.model.get_all_parameters(with_freeze_param=True)
+        # (prefetched buffers and their all-gather tasks left from the last pass: nothing uses
+        # them now that every parameter is whole)
+        self.model._task_flow.full_param.clear()
+        self.model._task_flow.full_grad.clear()
