@@ -3,8 +3,8 @@ parallel/cpu_compat.py's shim 4: 2 launched ranks, 3 AdamW steps, against one pr
 global batch (tests/group_sharded_cases.py). Stage 3 shards a frozen float backbone too: at S=2
 each rank holds about half of it between steps (each parameter's slice padded to paddle's
 alignment), and with paddle's default segment_size (2**20) nothing of this small model is sharded,
-which is why the trainer must choose segment_size by a rule. Engine level only: the trainer's
-stages 2-3 are still parallel/sharding.py's (issue 30)."""
+which is why the trainer must choose segment_size by a rule. Engine level; the trainer's stage 2 / 3
+on it: tests/test_sharding.py."""
 import pytest
 
 from conftest import launch_cases

@@ -35,8 +35,8 @@ def copy_data(n, seed, vocab=600):
 
 def _gather_trainable(model, trainer, tpg):
     """{name: whole array} of the trainable tensors (gathered from the TP ranks)."""
-    if tpg is None:
-        return {n: p.numpy() for n, p in trainer.trainable.items()}
+    if tpg is None:   # (paddle's stage 3: each tensor's slices gathered)
+        return trainer.par.whole_arrays(trainer.trainable)
     from paddletune.parallel.tensor import full_array
 
     log, tpg.log = tpg.log, None
@@ -50,9 +50,15 @@ def train_case(ckpt, out_dir, method="sft", tp=1, micro=4, accum=2, steps=5, max
                save_steps=0, resume=None, neftune=False, rdrop=False, pp=1, recompute=False,
                zero_padding=False, trace=False, recompute_granularity="full", sharding="",
                sharding_degree=-1, vpp=1, fixed_length=None, dtype="float32", p2p=False,
-               sharding_config=""):
+               sharding_config="", segment_size=0):
     import numpy as np
     import paddle
+
+    from paddletune.parallel import group_sharded
+
+    # paddle's stage 3 slices tensors of more than segment_size elements; the rule's value (S
+    # alignment units) would leave most of these tiny models' tensors whole: 0 slices them all
+    group_sharded.SEGMENT_SIZE = segment_size
 
     from conftest import training_args
     from paddletune import parallel, peft, runtime
@@ -200,7 +206,12 @@ def _holdings(trainer, info):
         size = lambda names: sum(int(np.prod(trainer.par.shard.shapes[n])) for n in names)  # noqa: E731
         mine = lambda names: [n for n in names if not trainer.par.shard.owns(n)]  # noqa: E731
         shard = dict(shard, peak_bound=resident + size(mine(lw.rest)) + max(size(mine(u.names)) for u in lw.units))
+    from paddletune.parallel.group_sharded import held_numel
+
+    frozen = [p for p in trainer.model.parameters() if p.stop_gradient]   # (a PEFT backbone)
     return {"ids": ids, "resident": resident, "shard": dict(shard or {}),
+            # frozen parameters: [elements held now (paddle's stage 3: slices), whole, count]
+            "frozen": [sum(held_numel(p) for p in frozen), sum(paddle_numel(p) for p in frozen), len(frozen)],
             "optimizer_numel": opt}
 
 

@@ -25,6 +25,7 @@ import paddle.nn.functional as F
 
 from .layers import wide
 from .linear_ce import LinearCrossEntropy
+from .owned import as_forward
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids")
 
@@ -52,21 +53,37 @@ class LossOutput:
         return self.loss_sum / paddle.clip(self.num_tokens, min=1.0)
 
 
+def head_layer(model):
+    """(layer, transposed) when logits = h @ layer.weight (an LM head [H, V]) or h @ weight^T (a
+    tied embedding [V, H]) with a plain bias-free head; None for a head that must run as a module
+    (LoRA on lm_head, a bias). Nothing is read from the weight here (models/owned.py)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return model.get_input_embeddings(), True
+    transform = getattr(head, "weight_transform", None)
+    plain = type(head) is nn.Linear or getattr(head, "plain_linear", False)   # (fleet's column layer)
+    if (plain or transform is not None) and head.bias is None:
+        return head, False
+    return None
+
+
+def head_matrix(layer, transposed, view=None):
+    """The head's matrix: `layer`'s weight (view(weight) when given), through the head's
+    `weight_transform` (layers.NormHead) if it has one."""
+    w = view(layer.weight) if view is not None else layer.weight
+    transform = None if transposed else getattr(layer, "weight_transform", None)
+    return transform(w) if transform is not None else w
+
+
 def linear_head(model, view=None):
     """(W, transposed) when logits = h @ W (W [H, V]) or h @ W^T (a tied embedding [V, H]) with a
     plain bias-free head; None for a head that must run as a module (LoRA on lm_head, a bias).
     A head with a `weight_transform` (layers.NormHead) gives the transformed weight. `view(p)`,
     when given, is applied to the parameter first (tensor parallelism: its local shard)."""
-    head = model.get_output_embeddings()
-    view = view or (lambda p: p)
-    if head is None:
-        return view(model.get_input_embeddings().weight), True
-    transform = getattr(head, "weight_transform", None)
-    plain = type(head) is nn.Linear or getattr(head, "plain_linear", False)   # (fleet's column layer)
-    if (plain or transform is not None) and head.bias is None:
-        w = view(head.weight)
-        return (transform(w) if transform is not None else w), False
-    return None
+    found = head_layer(model)
+    if found is None:
+        return None
+    return head_matrix(*found, view=view), found[1]
 
 
 def target_index(labels):
@@ -93,13 +110,16 @@ def hidden_loss(model, hidden, labels, keep_logits=False, index=None):
     index: as select_targets'."""
     h_sel, t_sel = select_targets(hidden, labels, index)
     n = paddle.to_tensor(t_sel.shape[0], dtype="float32")
-    matrix = None if (keep_logits or not model.training) else linear_head(model)
-    if matrix is not None and getattr(matrix[0], "is_dist", lambda: False)():
+    found = None if (keep_logits or not model.training) else head_layer(model)
+    if found is not None and getattr(found[0].weight, "is_dist", lambda: False)():
         raise ValueError("the LM head is sharded: use the parallel layout's loss "
                          "(paddletune.parallel), not the single-device one")
-    if matrix is not None and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
-        w, transposed = matrix
-        return LossOutput(LinearCrossEntropy.apply(h_sel, w, t_sel, transposed), n, None, t_sel)
+    if found is not None and paddle.is_grad_enabled() and t_sel.shape[0] > 0:
+        layer, transposed = found
+        # the head's weight is read inside its layer's call (owned.py: sharding stage 3 gathers it)
+        loss_sum = as_forward(layer, lambda h, t: LinearCrossEntropy.apply(h, head_matrix(layer, transposed), t,
+                                                                           transposed), h_sel, t_sel)
+        return LossOutput(loss_sum, n, None, t_sel)
     logits = model.logits(h_sel)
     logits = logits.astype(wide(logits.dtype))   # float32 for 16-bit models, float64 stays
     loss_sum = F.cross_entropy(logits, t_sel.unsqueeze(-1), reduction="sum")

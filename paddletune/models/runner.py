@@ -32,6 +32,7 @@ import paddle.nn as nn
 
 from .cache import PrefixCache
 from .layers import NoRotary, attention_bias
+from .owned import as_forward
 
 
 @dataclass
@@ -123,8 +124,9 @@ class CausalLM(nn.Layer):
     def logits(self, h):
         """h [..., H] -> logits [..., V]."""
         head = self.get_output_embeddings()
-        if head is None:
-            return paddle.matmul(h, self.get_input_embeddings().weight, transpose_y=True)
+        if head is None:   # tied: read inside the embedding's call (owned.py: sharding stage 3)
+            emb = self.get_input_embeddings()
+            return as_forward(emb, lambda x: paddle.matmul(x, emb.weight, transpose_y=True), h)
         return head(h)
 
     def context(self, batch, seq, attention_mask=None, position_ids=None, cache=None,

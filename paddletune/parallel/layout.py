@@ -29,8 +29,12 @@ Who sums the data-parallel gradients, by layout:
   (group_sharded.GroupShardedStage2 as `hybrid`): the trainer's forward goes through its layer
   wrapper (forward_model), its hooks reduce each gradient to the owner during backward, its
   step scales, all-reduces over dp, runs our update and broadcasts; its clear_grad zeroes;
-- sharding stage 3 and TP x stage 2: ours (sharding.py); issue 30 moves stage 3 to
-  group_sharded_parallel; PP x stage 2 / 3 is refused (fleet has no pipeline path for them);
+- sharding stage 3 without TP / PP: paddle's group_sharded_parallel("p_g_os")
+  (group_sharded.GroupShardedStage3 as `hybrid`): its hooks gather each layer's slices around
+  its forward and backward and reduce the gradients; its step hands our update the slices;
+  frozen slices released after each layer's backward; checkpoints gather whole tensors;
+- sharding stage 3 under TP and TP x stage 2: ours (sharding.py); PP x stage 2 / 3 is refused
+  (fleet has no pipeline path for them);
 - Mixture-of-Experts on several data ranks (expert.py's groups: expert-data groups are not
   fleet's dp group) and a trainable set paddle's reducer cannot wait on: ours.
 """
@@ -94,9 +98,10 @@ class Parallel:
 
             par.dp = DataReducer.for_model(model, topo, trainable)
         from .data import FleetDataParallel
-        from .group_sharded import GroupShardedStage2
+        from .group_sharded import GroupShardedStage2, GroupShardedStage3
 
         par.hybrid = (GroupShardedStage2.for_layout(model, topo, par.shard)
+                      or GroupShardedStage3.for_layout(model, topo, par.shard)
                       or FleetDataParallel.for_layout(topo, tp, pp, par.shard, ep))
         return par, trainable
 
@@ -227,6 +232,8 @@ class Parallel:
     def step(self, optimizer, named, update):
         """update(grads of `named`, data-parallel summed) -> its result: directly, or inside
         fleet's HybridParallelOptimizer.step after its reduction (data.FleetDataParallel)."""
+        if getattr(self.hybrid, "own_grads", False):   # paddle's stage 3: its gradient slices
+            return self.hybrid.step(optimizer, named, None, update)
         grads = [self.grad(p) for _, p in named]
         if self.hybrid is None:
             return update(grads)
@@ -259,6 +266,8 @@ class Parallel:
                    for g in grads]
         if self.pp is not None:
             squares = [s if self.pp.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
+        if hasattr(self.hybrid, "counts_once"):   # paddle's stage 3: a whole tensor counted once
+            squares = [s if self.hybrid.counts_once(n) else s * 0 for s, (n, _) in zip(squares, named)]
         if self.ep is not None:   # each rank's experts are different ones: their parts summed
             squares = self.ep.norm_squares([n for n, _ in named], squares)
         if self.tp is None:
@@ -285,7 +294,7 @@ class Parallel:
 
         left = resident_numel(self.local(p.grad) for n, p in trainable.items()
                               if p.grad is not None and not self.shard.owns(n))   # others' gradients
-        if self.shard.fleet:   # fleet's stage 1 holds every gradient through its step
+        if self.shard.fleet and self.shard.stage < 3:   # fleet's stage 1 holds every gradient through its step
             held = resident_numel(self.local(p.grad) for p in trainable.values() if p.grad is not None)
         elif self.shard.stage >= 2:
             held = sum(numel(g) for g in grads if g is not None)
@@ -303,6 +312,15 @@ class Parallel:
     def after_training(self, trainable):
         if self.shard is not None:   # stage 3: the whole model again, for export and the caller
             self.shard.gather(trainable)
+        if hasattr(self.hybrid, "gather_all"):   # paddle's stage 3
+            self.hybrid.gather_all()
+
+    def whole_arrays(self, trainable):
+        """{name: whole numpy array} of the trainable tensors without TP (a collective per
+        sliced tensor under paddle's stage 3: every rank of the group calls it)."""
+        if hasattr(self.hybrid, "full_array"):
+            return {n: self.hybrid.full_array(n, p) for n, p in trainable.items()}
+        return {n: p.numpy() for n, p in trainable.items()}
 
     # ---------------------------------------------------------------- evaluation
     @contextlib.contextmanager
@@ -346,6 +364,16 @@ class Parallel:
         if getattr(self.hybrid, "split", False):   # V2's flat slices -> whole tensors (collective)
             kinds = ("exp_avg", "exp_avg_sq") + (("master",) if optimizer.masters() else ())
             tensors = self.hybrid.gather_state(tensors, optimizer, kinds)
+        if hasattr(self.hybrid, "full_array"):   # paddle's stage 3: slices gathered (collectives)
+            model, optim = {}, {}
+            for n, p in trainable.items():
+                value = self.hybrid.full_array(n, p)
+                moments = {f"{n}.{k}": self.hybrid.full_array(n, p, paddle.to_tensor(tensors[f"{n}.{k}"]))
+                           for k in ("exp_avg", "exp_avg_sq")}
+                if self.shard.writes(n):
+                    model[n] = np.asarray(value, np.float32)
+                    optim.update(moments)
+            return ckpt.whole(model), ckpt.whole(optim), meta
         if self.tp is None:
             own = {n: p for n, p in trainable.items()
                    if (self.pp is None or self.pp.counts_once(n)) and self.owns(n)
@@ -376,6 +404,8 @@ class Parallel:
     def read_local(self, reader, name, p, kind="model", key=None):
         """This rank's slice of `key` (default `name`) from any layout's checkpoint."""
         key = key or name
+        if hasattr(self.hybrid, "local_slice"):   # paddle's stage 3: this rank's flat slice
+            return self.hybrid.local_slice(name, p, reader.read(key, kind))
         if self.tp is None:
             return reader.read(key, kind)
         from .tensor import box_pieces
@@ -384,6 +414,13 @@ class Parallel:
         for start, shape, idx, _ in box_pieces(self.model, name, p, self.tp):
             out[idx] = reader.read(key, kind, start, shape)
         return out
+
+    def load_target(self, name, p):
+        """The tensor a resume writes `name`'s value into; None when this rank holds none of it
+        (our stage 3 between steps: the owner loads it)."""
+        if hasattr(self.hybrid, "load_target"):
+            return self.hybrid.load_target(name, p)
+        return self.local(p) if self.local(p)._is_initialized() else None
 
     def global_shape(self, name, p):
         """The shape a checkpoint holds for parameter `p` (the whole tensor's)."""

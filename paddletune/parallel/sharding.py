@@ -26,7 +26,11 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             data-parallel replicas of that owner), and every rank drops the gradients of the
             tensors it does not own right away (during backward a rank holds the whole
             gradient: gloo has no reduce_scatter, and reducing inside backward is not built)
-    stage3  parameters as well: between steps a rank holds only its own tensors' values (the
+    stage3  parameters as well. Without TP / PP this is paddle's group_sharded_parallel("p_g_os")
+            (group_sharded.GroupShardedStage3: flat padded slices of every tensor above
+            segment_size, frozen ones included, gathered per layer by its hooks). Under TP
+            (and with AMP O2 or offload on a GPU) the code below runs it:
+            between steps a rank holds only its own tensors' values (the
             others' storage is released). During a step the decoder blocks are gathered one at a
             time (`Layerwise`): a block's tensors are broadcast from their owners just before its
             forward and released right after it, gathered again when backward reaches the block
@@ -41,9 +45,9 @@ under stage3 holds only their two values between steps.
 The gradient norm for clipping is the global one: stage1 has every gradient on every rank; from
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
-Stage 1 (with or without TP / PP) and (without TP) stage 2 are paddle's (above); stage 3 and
-TP x stage 2 are still this module's (issue 30); PP x stage 2 / 3 is refused (fleet has no
-pipeline path for them). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
+Stage 1 (with or without TP / PP) and (without TP / PP) stages 2 and 3 are paddle's (above); TP x
+stage 2/3 are still this module's; PP x stage 2 / 3 is refused (fleet has no pipeline path for
+them). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
 no reduce_scatter (the engine needs a reshard shim for it). Communication here: dist.reduce,
@@ -61,6 +65,9 @@ from paddle.autograd import PyLayer
 
 STAGES = ("stage1", "stage2", "stage3")
 BUCKET = 1 << 22   # elements per flat collective (16 MB in float32)
+# stage 3 without TP / PP on paddle's group_sharded_parallel("p_g_os") (group_sharded.py);
+# False: this module's layer-wise stage 3
+PADDLE_STAGE3 = True
 
 
 def stage_of(value):
@@ -116,9 +123,11 @@ class Sharding:
         self.local = local
         self.shapes = {n: list(local(p).shape) for n, p in named}
         self.dtypes = {n: p.dtype for n, p in named}
-        # fleet (stage 1): every tensor counts as this rank's until adopt() takes fleet's partition
-        self.owner = {} if fleet else dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names],
-                                                                 self.degree)))
+        ours = dict(zip(names, partition([int(np.prod(self.shapes[n])) for n in names], self.degree)))
+        # fleet (stage 1): every tensor counts as this rank's until adopt() takes fleet's partition;
+        # paddle's stage 3: every rank updates its slice of every tensor (no owner)
+        self.owner = {} if fleet else ours
+        self.writer_of = ours   # paddle's stage 3: who writes a tensor to a checkpoint
         self.owned = [n for n in names if self.owns(n)]
         self.released = False
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
@@ -128,6 +137,13 @@ class Sharding:
 
     def owns(self, name):
         return self.owner.get(name, self.rank) == self.rank
+
+    def writes(self, name):
+        """Whether this rank writes `name` to a checkpoint: its owner, or under paddle's stage 3
+        (every rank holds a slice of it) our partition's owner of the gathered tensor."""
+        if self.stage >= 3 and self.fleet:
+            return self.writer_of[name] == self.rank
+        return self.owns(name)
 
     def adopt(self, owner):
         """fleet's partition ({name: sharding rank}, data.FleetDataParallel.owners) replaces ours."""
@@ -246,12 +262,12 @@ class Sharding:
         """Stage 3: hook the model's decoder blocks (model.decoder_layers()) so each is gathered
         only while its forward or backward runs."""
         blocks = model.decoder_layers() if hasattr(model, "decoder_layers") else None
-        if self.stage >= 3 and blocks is not None:
+        if self.stage >= 3 and blocks is not None and not self.fleet:   # (paddle's: its own hooks)
             self.layerwise = Layerwise(self, blocks, params)
 
     def release(self, params):
-        """Stage 3: drop the storage of every tensor this rank does not own."""
-        if self.stage < 3:
+        """Stage 3 (ours): drop the storage of every tensor this rank does not own."""
+        if self.stage < 3 or self.fleet:   # (paddle's stage 3 holds slices: group_sharded.py)
             return
         for n, p in params.items():
             if not self.owns(n) and p._is_initialized():
@@ -262,7 +278,11 @@ class Sharding:
 
     def resident(self, params):
         """Elements of this rank's local shards that hold storage now (stage 3 between steps:
-        the owned ones only)."""
+        the owned ones only; paddle's stage 3: each tensor's slice)."""
+        if self.stage >= 3 and self.fleet:
+            from .group_sharded import held_numel
+
+            return sum(held_numel(p) for p in params.values())
         return sum(int(np.prod(self.shapes[n])) for n, p in params.items() if p._is_initialized())
 
     def after_step(self, params):
@@ -450,7 +470,8 @@ def on_fleet(stage, topo, model=None, offload=False):
             and getattr(model, "expert_parallel", None) is None):
         return False
     gpu_offload = offload and paddle.is_compiled_with_cuda()
-    return stage == 1 or (stage == 2 and topo.degrees["tp"] == 1 and topo.pp_degree == 1 and not gpu_offload)
+    return stage == 1 or (stage in ((2, 3) if PADDLE_STAGE3 else (2,)) and topo.degrees["tp"] == 1
+                          and topo.pp_degree == 1 and not gpu_offload)
 
 
 def check_offload(args, degrees, ep=1):
@@ -508,6 +529,11 @@ def for_trainer(args, topo, named, local=lambda p: p, model=None):
 
         raise ValueError(PP_STAGE23.format(stage=stage))
     fleet = on_fleet(stage, topo, model, offload)
+    if fleet and stage == 3:   # AMP O2's float32 masters of the slices are not in our checkpoints yet
+        from ..runtime import amp_settings
+
+        fleet = amp_settings(getattr(args, "fp16", False), getattr(args, "bf16", False),
+                             getattr(args, "fp16_opt_level", "O1"))[2] != "O2"
     if fleet and offload and paddle.is_compiled_with_cuda():
         raise ValueError(OFFLOAD_STAGE1)
     shard = Sharding(topo, stage, named, local, fleet=fleet)

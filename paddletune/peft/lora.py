@@ -31,6 +31,7 @@ import paddle.nn.functional as F
 
 from ..io import publish_into, write_json
 from ..models import hf
+from ..models.owned import as_forward
 from .common import (base_name_for_config, builtin_name, write_base_record, freeze, get_module, linear_dims, match_modules,
                      read_config, replace_module)
 
@@ -76,14 +77,16 @@ class LoRALinear(nn.Layer):
         if self.dropout > 0:
             h = (self.input_dropout(x, self.dropout, self.training) if self.input_dropout is not None
                  else F.dropout(x, self.dropout, training=self.training))
-        wa, wb = self.lora_A.weight, self.lora_B.weight
-        if h.dtype != wa.dtype:
-            h = h.astype(wa.dtype)
-        z = paddle.matmul(h, wa)
+        a, b = self.lora_A, self.lora_B
+        if h.dtype != a.weight.dtype:
+            h = h.astype(a.weight.dtype)
+        # A and B are read inside their own layers' calls (models/owned.py: sharding stage 3
+        # gathers them there); without hooks these are the two matmuls themselves
+        z = as_forward(a, lambda x: paddle.matmul(x, a.weight), h)
         if self.between is not None:
             z = self.between(z)
         # (h A)(s B): the scale goes on the small [r, out] matrix, not on the [tokens, out] output
-        delta = paddle.matmul(z, wb * self.scaling)
+        delta = as_forward(b, lambda x: paddle.matmul(x, b.weight * self.scaling), z)
         return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
     def delta_weight(self):

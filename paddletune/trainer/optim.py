@@ -73,19 +73,12 @@ class AdamW:
         self.full_name = {t.name: n for n, t in self.targets.items()}   # paddle name -> model name
         if len(self.full_name) != len(self.targets):
             raise ValueError("two optimizer tensors share a paddle name: their state would mix")
-        decay = {t.name: not no_decay(n, self.params[n]) for n, t in self.targets.items()}
+        self.decay = {}   # paddle name -> whether weight decay applies
         for n, t in self.targets.items():
-            # a plain tensor (a DTensor's local shard, a host copy) made to look like a trainable
-            # parameter: paddle's optimizer skips stop_gradient ones; the lr scale in optimize_attr
-            t.stop_gradient = False
-            if not hasattr(t, "trainable"):   # read by fleet's gradient reduction (data.py)
-                t.trainable = True
-            if getattr(t, "optimize_attr", None) is None:
-                t.optimize_attr = {}
-            t.optimize_attr["learning_rate"] = float(self.lr_scales.get(n, 1.0))
+            self._adopt(n, t)
         self.opt = paddle.optimizer.AdamW(
             learning_rate=0.0, beta1=self.b1, beta2=self.b2, epsilon=eps, weight_decay=weight_decay,
-            parameters=list(self.targets.values()), apply_decay_param_fun=lambda pname: decay[pname],
+            parameters=list(self.targets.values()), apply_decay_param_fun=lambda pname: self.decay[pname],
             multi_precision=bool(multi_precision) and not offload)   # (offload keeps its own masters)
         self.held = []
         self.slices = {}          # split_param: {name: (lo, hi)} of the flat tensor this rank updates
@@ -94,6 +87,31 @@ class AdamW:
             self.keep_state(list(self.params))
         self.t = 0
         self._synced = not offload   # offload: host copies refreshed at the first step (resume)
+
+    def _adopt(self, n, t):
+        """t becomes the tensor paddle's optimizer updates for `n`: a plain tensor (a DTensor's
+        local shard, a host copy, a stage-3 slice) made to look like a trainable parameter
+        (paddle's optimizer skips stop_gradient ones; the lr scale in optimize_attr)."""
+        self.decay[t.name] = not no_decay(n, self.params[n])
+        t.stop_gradient = False
+        if not hasattr(t, "trainable"):   # read by fleet's gradient reduction (data.py)
+            t.trainable = True
+        if getattr(t, "optimize_attr", None) is None:
+            t.optimize_attr = {}
+        t.optimize_attr["learning_rate"] = float(self.lr_scales.get(n, 1.0))
+
+    def retarget(self, tensors):
+        """{name: tensor}: the tensors paddle's optimizer updates for those names from now on
+        (sharding stage 3 on paddle: this rank's flat slices, a new tensor object each step under
+        the same paddle name, so the moments keyed by that name carry over)."""
+        for n, t in tensors.items():
+            old = self.targets[n]
+            if old is t:
+                continue
+            self.full_name.pop(old.name, None)
+            self.targets[n] = t
+            self.full_name[t.name] = n
+            self._adopt(n, t)
 
     def keep_state(self, names):
         """The tensors whose moments live on this rank (all, or a sharding rank's own): created

@@ -122,5 +122,6 @@ def load_trainable(t, reader, path):
         want = t.par.global_shape(n, p)
         if reader.global_shape(n) != want:
             raise ValueError(f"{path}: {n} has shape {reader.global_shape(n)}, model has {want}")
-        if t.par.local(p)._is_initialized():   # released under stage 3: its owner loads it
-            assign(t.par.local(p), check_finite(t.par.read_local(reader, n, p), n, where=path))
+        target = t.par.load_target(n, p)   # None: released under our stage 3 (its owner loads it)
+        if target is not None:   # (paddle's stage 3: this rank's slice)
+            assign(target, check_finite(t.par.read_local(reader, n, p), n, where=path))
