@@ -126,7 +126,9 @@ def test_which_layouts_reduce_through_fleets_optimizer():
 
     assert on_fleet(1, topo(dp=2, sharding=2)) and on_fleet(1, topo(tp=2, sharding=2))
     assert on_fleet(2, topo(dp=2, sharding=2))   # group_sharded_parallel's stage 2 (group_sharded.py)
-    assert not on_fleet(2, topo(tp=2, sharding=2)) and not on_fleet(3, topo(sharding=2))   # ours, for now
+    assert not on_fleet(2, topo(tp=2, sharding=2)) and not on_fleet(3, topo(tp=2, sharding=2))   # ours, for now
+    # stage 3 without TP / PP is group_sharded_parallel("p_g_os") since issue 30 (was: `not on_fleet(3, ...)`)
+    assert on_fleet(3, topo(sharding=2)) and on_fleet(3, topo(dp=2, sharding=2))
     # PP x stage 1 is fleet's since issue 29 (was: `not on_fleet(1, ...)`, the pipeline's own path)
     assert on_fleet(1, topo(pp=2, sharding=2)) and not on_fleet(2, topo(pp=2, sharding=2))
     assert FleetDataParallel.for_layout(topo(dp=2, tp=2), on, None, None, on) is None        # experts

@@ -58,7 +58,8 @@ FOUR = {
     # PP x stage 1 on fleet (each stage's sharding group partitions its own tensors); a prefix
     # (every stage holds it whole: its copies summed over the stages before fleet's reduce)
     "pp2_stage1": {"sharding": "stage1", "pp": 2, "micro": 2},
-    "pp2_stage1_prefix": {"sharding": "stage1", "pp": 2, "micro": 2, "method": "prefix", "lr": 2e-2},
+    "pp2_stage1_prefix": {"sharding": "stage1", "pp": 2, "micro": 2, "method": "prefix", "lr": 2e-2,
+                          "max_grad_norm": 0.01},   # as SINGLE["prefix"]: clipping active
 }   # (pp2_stage3 is refused since issue 29: test_pipeline_with_sharding_stage2_3_is_refused)
 # PP x stage 1 with a tied embedding shaped so fleet's greedy partition gives its two copies
 # different owners: a Qwen2 (vocabulary 601, hidden 64: 38464 elements) with MLP matrices of

@@ -32,6 +32,7 @@ from paddle.base import core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
 from sharding_memory import held_by_kind  # noqa: E402
 
 GATES = {("group_sharded.py", "group_sharded_parallel"), ("group_sharded_optimizer_stage2.py", "__init__"),
@@ -110,30 +111,9 @@ def reference(steps):
     return losses, {n: q.numpy() for n, q in m.named_parameters()}
 
 
-def release_frozen(stage3, layer_ids=None):
-    """Put frozen parameters that backward left gathered back to this rank's slice. Why: stage 3
-    gathers every sliced parameter of a layer again in backward (ForwardPostHooks.backward,
-    group_sharded_stage3.py:1167-1190) but releases them only from the gradient hooks of
-    trainable parameters (_get_allreduce_fn, :795-825); a frozen one keeps use_count 1 and status
-    "all", so the next forward's release (_release_param, :1245-1262) never reaches 0 and it stays
-    whole on every rank for good."""
-    flow = stage3._task_flow
-    for lid, params in stage3._trainable_params.items():
-        if layer_ids is not None and lid not in layer_ids:
-            continue
-        for p in params:
-            if p.trainable or getattr(p, "status", None) != "all":
-                continue
-            start, end = stage3._param2buffer[p.name][stage3._rank]
-            full = flow.full_param.pop(p.name, None)
-            if full is None:
-                buf = paddle.zeros([stage3._param2buffer_size[p.name]], p.dtype)
-                buf[:p._numel()] = p.detach().reshape([-1])
-            else:
-                buf = full[0]
-            p.fw_storage = buf._slice(start, end).detach().clone()
-            p._clear_data()
-            p.status, p.use_count = "part", 0
+# the fix as paddletune runs it (parallel/group_sharded.py): this rank's slice back for every frozen
+# parameter paddle's stage 3 left whole
+from paddletune.parallel.group_sharded import release_frozen  # noqa: E402
 
 
 class _AfterBackward(PyLayer):
