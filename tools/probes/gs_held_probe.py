@@ -27,7 +27,6 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn
-from paddle.autograd import PyLayer
 from paddle.base import core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,22 +111,8 @@ def reference(steps):
 
 
 # the fix as paddletune runs it (parallel/group_sharded.py): this rank's slice back for every frozen
-# parameter paddle's stage 3 left whole
-from paddletune.parallel.group_sharded import release_frozen  # noqa: E402
-
-
-class _AfterBackward(PyLayer):
-    """Identity whose backward calls fn: placed on a layer's input, it runs when the layer's
-    backward is done (the input's gradient is computed)."""
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, dy):
-        ctx.fn()
-        return dy
+# parameter paddle's stage 3 left whole; the identity whose backward calls fn
+from paddletune.parallel.group_sharded import _AfterBackward, release_frozen  # noqa: E402
 
 
 def release_frozen_in_backward(stage3, layers, seen=None):
