@@ -934,7 +934,7 @@ def _check_sharding(args, err, warn):
         err("sharding", f"unknown value '{bad[0]}': use stage1, stage2 or stage3 (optionally with "
             "offload, space-separated), or leave it empty")
     if words == ["offload"]:
-        err("sharding", "'offload' needs a stage: write 'stage1 offload' or 'stage2 offload'")
+        err("sharding", "'offload' needs a stage: write 'stage3 offload' (paddle's offload) or drop it")
     if not words:
         if args.sharding_parallel_degree > 1:
             warn(f"sharding_parallel_degree {args.sharding_parallel_degree} without 'sharding' "
@@ -947,6 +947,14 @@ def _check_sharding(args, err, warn):
         warn(f"'sharding: {args.sharding}' has no effect with one sharding rank")
     elif args.pipeline_parallel_degree > 1 and ("stage2" in words or "stage3" in words):
         err("sharding", PP_STAGE23.format(stage=2 if "stage2" in words else 3))
+    elif "offload" in words:   # a CUDA build: refused where paddle's stage has no usable offload
+        from .parallel.sharding import offload_refusal, stage_of
+
+        msg = offload_refusal(stage_of(args.sharding), {
+            "sharding": degree, "tp": max(args.tensor_parallel_degree, 1),
+            "pp": max(args.pipeline_parallel_degree, 1)}, max(args.expert_parallel_degree, 1))
+        if msg:
+            err("sharding", msg[len("sharding "):])   # "'stageN offload': why; the fix"
 
 
 PP_STAGE23 = ("sharding stage{stage} with pipeline_parallel_degree > 1: fleet has no pipeline path for "

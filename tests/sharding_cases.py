@@ -29,3 +29,38 @@ def _numel(shape):
     for s in shape:
         n *= s
     return n
+
+
+def offload_case(ckpt, out_dir, **kw):
+    """sharding_case, and after each of paddle's stage-3 steps what its offload path holds
+    (group_sharded.GroupShardedStage3.step wrapped for the run): paddle's offload flags (the
+    GroupShardedStage3 wrapper, the optimizer wrapper), per trainable slice whether it has a float32
+    master on the host and whether the tensor the trainer's AdamW updated shares that master's
+    memory, and where the AdamW moments live."""
+    from paddletune.parallel import group_sharded as gs
+
+    facts, original = [], gs.GroupShardedStage3.step
+
+    def step(self, optimizer, named, grads, update):
+        out = original(self, optimizer, named, grads, update)
+        masters = {n: getattr(p, "master_weight", None) for n, p in self.sliced.items() if p.trainable}
+        facts.append({
+            "wrapper_offload": bool(self.model._offload), "optimizer_offload": bool(self.opt.offload),
+            "trainable_slices": len(masters),
+            "host_masters": sum(m is not None and m.place.is_cpu_place() and str(m.dtype) == "paddle.float32"
+                                for m in masters.values()),
+            "update_on_master": sum(m is not None and optimizer.targets[n].data_ptr() == m.data_ptr()
+                                    for n, m in masters.items()),
+            "moments_on_host": all(t.place.is_cpu_place() for d in (optimizer.exp_avg, optimizer.exp_avg_sq)
+                                   for t in d.values()),
+            "frozen_slices_on_host": all(p.fw_storage.place.is_cpu_place() for p in self.sliced.values()
+                                         if not p.trainable and getattr(p, "fw_storage", None) is not None)})
+        return out
+
+    gs.GroupShardedStage3.step = step
+    try:
+        result = sharding_case(ckpt, out_dir, **kw)
+    finally:
+        gs.GroupShardedStage3.step = original
+    result["offload_facts"] = facts
+    return result

@@ -77,6 +77,19 @@ has a test (tests/test_cpu_compat.py) that fails loudly if paddle changes the in
    contiguous part (S x the traffic of a reduce_scatter; the sums are the same). The update
    (paddletune's, on the owned flat slices) and V2's all_gather of the updated parameters are
    paddle's own.
+8. stage 3 offload (`group_sharded_parallel(..., offload=True)`, level "p_g_os"; installed with
+   shim 4): paddle keeps each slice on the host and moves it to the device for the gathers with
+   `Tensor.to(DEV + ":" + str(DEV_ID))` (group_sharded_stage3.py `_cpu2device`) and, for the
+   tensors it keeps whole, `param.to(self._default_device + ":" + str(DEV_ID))`
+   (`GroupShardedStage3._clear_gradients`). On a CPU build the device is "cpu", and "cpu:0" is
+   not a device string paddle accepts (ValueError from paddle.device._convert_to_place). For
+   those two callers only (file and function checked) `Tensor.to("cpu:<n>")` is a copy to
+   CPUPlace, what the device copy is on a GPU (a new tensor). And `_device2cpu` takes
+   `trans_param.cpu()` and then `trans_param._clear_data()`: on a CPU tensor `.cpu()` returns the
+   tensor itself, so the "host copy" is emptied with its source ("Tensor holds no memory" in the
+   next gather); for that caller only `.cpu()` of a host tensor is a copy. Everything else in paddle's offload
+   path (host slices, float32 host masters, the optimizer step under device_guard("cpu"), the
+   gradient slices copied to the host) runs as paddle wrote it, with host = device.
 """
 import contextlib
 import os
@@ -263,6 +276,11 @@ GROUP_SHARDED_GATES = {("group_sharded.py", "group_sharded_parallel"),
 GROUP_SHARDED_NEW_GROUP = {("group_sharded_stage2.py", "__init__"), ("group_sharded_stage3.py", "__init__"),
                            ("group_sharded_optimizer_stage2.py", "__init__"),
                            ("group_sharded_optimizer_stage2.py", "_set_broadcast_overlap")}
+# the callers whose Tensor.to("cpu:0") is a host copy (shim 8: stage 3 offload)
+GROUP_SHARDED_OFFLOAD = {("group_sharded_stage3.py", "_cpu2device"),
+                         ("group_sharded_stage3.py", "_clear_gradients")}
+# the caller whose Tensor.cpu() must be a copy (shim 8: it clears the source right after)
+GROUP_SHARDED_TO_HOST = {("group_sharded_stage3.py", "_device2cpu")}
 GROUP_SHARDED_ORIGINALS = {}
 
 
@@ -319,6 +337,22 @@ def install_group_sharded():
 
     collective.new_group = own_store_for("new_group")
     opt2.new_group = own_store_for("opt2_new_group")   # (imported by name there)
+    originals.update(tensor_to=paddle.Tensor.to, tensor_cpu=paddle.Tensor.cpu)
+
+    def tensor_to(self, *args, **kwargs):   # shim 8: "cpu:<n>" from the offload callers
+        device = args[0] if args else kwargs.get("device")
+        if (isinstance(device, str) and device.startswith("cpu:") and len(args) + len(kwargs) == 1
+                and _caller_is(GROUP_SHARDED_OFFLOAD)):
+            return self._copy_to(paddle.CPUPlace(), True)
+        return originals["tensor_to"](self, *args, **kwargs)
+
+    def tensor_cpu(self, *args, **kwargs):   # shim 8: the host copy _device2cpu then clears the source of
+        if _caller_is(GROUP_SHARDED_TO_HOST) and self.place.is_cpu_place():
+            return self._copy_to(paddle.CPUPlace(), True)
+        return originals["tensor_cpu"](self, *args, **kwargs)
+
+    paddle.Tensor.to = tensor_to
+    paddle.Tensor.cpu = tensor_cpu
     paddle.device.get_all_custom_device_type = gate(originals["device_types"])
     core.get_all_custom_device_type = gate(originals["core_device_types"])
     paddle.get_device = get_device

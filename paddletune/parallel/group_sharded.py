@@ -161,6 +161,8 @@ def release_frozen(stage3, layer_ids=None):
             else:
                 buf = full[0]
             p.fw_storage = buf._slice(start, end).detach().clone()
+            if stage3._offload:   # where paddle's _release_param keeps an offloaded slice
+                p.fw_storage = p.fw_storage.cpu()
             p._clear_data()
             p.status, p.use_count = "part", 0
 
@@ -175,6 +177,26 @@ def release_frozen_in_backward(stage3, layer):
             return (_AfterBackward.apply(x, lambda: release_frozen(stage3, {id(layer)})),) + tuple(inputs[1:])
         return None
     layer.register_forward_pre_hook(hook)
+
+
+def on_comm_device(t):
+    """t, or on a CUDA build a device copy of a host tensor (offload's slices): NCCL moves device
+    memory only."""
+    if paddle.is_compiled_with_cuda() and t.place.is_cpu_place():
+        return t._copy_to(paddle.CUDAPlace(dist.ParallelEnv().dev_id), True)
+    return t
+
+
+class _Both:
+    """A resume target that is two tensors (a slice and its host master): assign() writes both."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+        self.dtype = tensors[0].dtype
+
+    def set_value(self, value):
+        for t in self.tensors:
+            t.set_value(value if t.dtype == self.dtype else value.astype(t.dtype))
 
 
 class GroupShardedStage3:
@@ -201,8 +223,9 @@ class GroupShardedStage3:
     sharding = True
     own_grads = True   # the step takes the slices' gradients itself (Parallel.step)
 
-    def __init__(self, model, topo):
+    def __init__(self, model, topo, offload=False):
         self.raw, self.topo = model, topo
+        self.offload = offload  # paddle's offload: slices, float32 masters and moments on the host
         self.degree = topo.sharding_degree * topo.dp_degree
         self.model = model      # GroupShardedStage3 after wrap
         self.opt = None         # the paddle AdamW (paddle redefines its step / clear_grad)
@@ -214,7 +237,7 @@ class GroupShardedStage3:
     def for_layout(cls, model, topo, shard):
         if shard is None or not shard.fleet or shard.stage != 3:
             return None
-        return cls(model, topo)
+        return cls(model, topo, offload=shard.paddle_offload)
 
     @property
     def chain(self):
@@ -236,6 +259,7 @@ class GroupShardedStage3:
         prefix = getattr(self.raw, "prefix_encoder", None)
         self.model, self.opt, _ = group_sharded_parallel(
             self.raw, optimizer.opt, level="p_g_os", group=group, dp_group=dp, segment_size=size,
+            offload=self.offload,
             exclude_layer=[id(prefix)] if prefix is not None else None)
         by_id = {id(p): n for n, p in self.raw.named_parameters()}
         for lid, params in self.model._trainable_params.items():
@@ -247,9 +271,16 @@ class GroupShardedStage3:
             if any(not p.trainable for p in params):
                 release_frozen_in_backward(self.model, layer)
         self._retarget(optimizer)
+        if self.offload:   # the moments on the host, beside the slices (paddle's own offload creates
+            # its optimizer's accumulators inside its step, under this device_guard)
+            from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import device_guard
+
+            with device_guard():
+                optimizer.keep_state(list(optimizer.params))
         logger.info(f"sharding stage 3: paddle's {' -> '.join(self.chain)} over {self.topo.sharding_degree} "
                     f"ranks" + (f" x dp {self.topo.dp_degree}" if dp is not None else "")
-                    + f", segment_size {size}: {len(self.sliced)} tensors sliced")
+                    + f", segment_size {size}: {len(self.sliced)} tensors sliced"
+                    + (", offload (slices, masters and optimizer state in host memory)" if self.offload else ""))
 
     def owners(self, optimizer):
         """Every rank updates its slice of every tensor: no owner map for the update."""
@@ -299,7 +330,7 @@ class GroupShardedStage3:
                 return p.numpy()
             slice_value = p.fw_storage
         parts = []
-        dist.all_gather(parts, slice_value.reshape([-1]), group=self.model._group)
+        dist.all_gather(parts, on_comm_device(slice_value.reshape([-1])), group=self.model._group)
         flat = paddle.concat(parts)[:int(np.prod(p.shape))]
         return flat.reshape(p.shape).numpy()
 
@@ -314,8 +345,13 @@ class GroupShardedStage3:
         return flat[start:end]
 
     def load_target(self, name, p):
-        """The tensor a resume writes `name`'s value into: its slice, or the parameter."""
-        return p.fw_storage if name in self.sliced and not p._is_initialized() else p
+        """The tensor a resume writes `name`'s value into: its slice, or the parameter. Under
+        offload also paddle's float32 host master of it (the tensor the update writes and the
+        slice is reset to after each backward: created at wrap time, it would bring back the
+        initial values)."""
+        target = p.fw_storage if name in self.sliced and not p._is_initialized() else p
+        master = getattr(p, "master_weight", None) if self.offload else None
+        return target if master is None else _Both(target, master)
 
     def gather_all(self):
         """The whole model on every rank (the end of training: export, evaluation, the caller)."""

@@ -131,7 +131,8 @@ class Sharding:
         self.owned = [n for n in names if self.owns(n)]
         self.released = False
         self.layerwise = None   # stage 3: Layerwise over the decoder blocks (install_layerwise)
-        self.offload = False    # "offload" on a GPU: the owners' AdamW state in host memory
+        self.offload = False    # "offload" on a GPU where ours runs: the owners' AdamW state in host memory
+        self.paddle_offload = False   # "stage3 offload" on paddle's stage 3: group_sharded's offload
         self.stats = {}   # what a rank holds, measured (tests assert the split)
         self.split = False   # stage 1 as fleet's DygraphShardingOptimizerV2 (split_param, data.py)
 
@@ -296,7 +297,11 @@ class Sharding:
     def square_norm(self, sq):
         """Stage 2+: the owners' squared-norm parts summed over the sharding group."""
         if self.degree > 1:
-            dist.all_reduce(sq, group=self.group)
+            from .group_sharded import on_comm_device
+
+            comm = on_comm_device(sq)   # (paddle's stage 3 offload on a GPU: a host tensor)
+            dist.all_reduce(comm, group=self.group)
+            sq = comm if comm is sq else comm.cpu()
         return sq
 
 
@@ -452,36 +457,62 @@ class Layerwise:
         return hook
 
 
+# "offload" (PaddleNLP: sharding "stageN offload"), by stage and build (docs/parallel.md's table):
+#   stage 3 where paddle's stage 3 runs (no TP / PP / experts, not AMP O2): group_sharded_parallel(
+#     offload=True) on every build (on a CPU build host and device memory are one: warned);
+#   stage 1 / stage 2 where paddle's engine runs them: a CUDA build refuses it before any work
+#     (OFFLOAD_STAGE1 / OFFLOAD_STAGE2), a CPU build warns and runs without;
+#   stages 2 / 3 where this module runs them (TP, experts, AMP O2 under stage 3): on a CUDA build
+#     the trainer's AdamW keeps its state in host memory (trainer/optim.py offload); CPU: warned.
 OFFLOAD_STAGE1 = ("sharding 'stage1 offload': paddle's stage-1 sharding optimizer (fleet's "
-                  "DygraphShardingOptimizer) has no offload; drop 'offload' (the moments are already "
-                  "1/S per rank) or use stage2 / stage3 with offload")
+                  "DygraphShardingOptimizer) has no offload, and DygraphShardingOptimizerV2's "
+                  "offload_opt_buffer_size moves paddle's own accumulators, not the trainer's AdamW state; "
+                  "drop 'offload' (the moments are already 1/S per rank) or use 'stage3 offload'")
+OFFLOAD_STAGE2 = ("sharding 'stage2 offload': paddle's stage-2 offload (GroupShardedOptimizerStage2) "
+                  "runs only for float16 parameters (AMP O2) without a data-parallel group and steps "
+                  "paddle's own optimizer on one fused host buffer, which the trainer's update cannot "
+                  "run on; use 'stage3 offload' (paddle's offload of parameters, gradients and "
+                  "optimizer state) or drop 'offload'")
+OFFLOAD_CPU = ("sharding offload keeps training state in host memory on a GPU; on this CPU build host "
+               "and device memory are the same, so it saves nothing")
 
 
-def on_fleet(stage, topo, model=None, offload=False):
+def offload_refusal(stage, degrees, ep=1):
+    """The one-line refusal of 'offload' with `stage` on this layout on a CUDA build (None: it
+    runs): stage 1 anywhere on fleet, stage 2 where paddle's group_sharded runs it (no TP / PP,
+    no expert groups). A CPU build never refuses (warned in for_trainer)."""
+    if stage == 0 or degrees["sharding"] <= 1 or ep > 1 or not paddle.is_compiled_with_cuda():
+        return None
+    if stage == 1:
+        return OFFLOAD_STAGE1
+    if stage == 2 and degrees["tp"] == 1 and degrees.get("pp", 1) == 1:
+        return OFFLOAD_STAGE2
+    return None
+
+
+def on_fleet(stage, topo, model=None):
     """Whether this stage runs on paddle's sharding engine here, under fleet.init (more than one
     process), without a Mixture-of-Experts layout (expert.py's groups): stage 1 (fleet's
     DygraphShardingOptimizer inside HybridParallelOptimizer, data.py; under pipeline parallel
-    too, the optimizer PipelineParallel works with), stage 2 without tensor or pipeline
-    parallel (group_sharded_parallel "os_g", group_sharded.py: its hooks take the layer's own
-    parameters, a DTensor's local shard is not one) and not with offload on a GPU (paddle's
-    offload step updates its own host copies, which would bypass the trainer's update; there the
-    host-memory AdamW below runs). Otherwise this module's own code (stage 3: issue 30)."""
+    too, the optimizer PipelineParallel works with), stages 2 and 3 without tensor or pipeline
+    parallel (group_sharded_parallel "os_g" / "p_g_os", group_sharded.py: its hooks take the
+    layer's own parameters, a DTensor's local shard is not one). Otherwise this module's code."""
     if not (topo.hcg is not None and topo.ep_degree == 1
             and getattr(model, "expert_parallel", None) is None):
         return False
-    gpu_offload = offload and paddle.is_compiled_with_cuda()
     return stage == 1 or (stage in ((2, 3) if PADDLE_STAGE3 else (2,)) and topo.degrees["tp"] == 1
-                          and topo.pp_degree == 1 and not gpu_offload)
+                          and topo.pp_degree == 1)
 
 
 def check_offload(args, degrees, ep=1):
-    """Before any work (parallel.init): 'offload' with stage 1 on fleet is refused on a GPU build
-    (paddle's DygraphShardingOptimizer has no host-memory option; PaddleNLP documents offload
-    for stage2 / stage3 only). On CPU builds it is warned in for_trainer (one memory)."""
+    """Before any work (parallel.init; the arguments' check says the same as an `error:` line):
+    'offload' refused on a CUDA build where paddle's engine runs the stage and has no offload
+    the trainer's update can run on (offload_refusal)."""
     words = (getattr(args, "sharding", "") or "").split()
-    if ("offload" in words and stage_of(" ".join(words)) == 1 and degrees["sharding"] > 1
-            and ep == 1 and paddle.is_compiled_with_cuda()):
-        raise ValueError(OFFLOAD_STAGE1)
+    if "offload" in words:
+        msg = offload_refusal(stage_of(" ".join(words)), degrees, ep)
+        if msg:
+            raise ValueError(msg)
 
 
 SPLIT_PARAM_TP = ("sharding_parallel_config 'split_param' with tensor_parallel_degree > 1: fleet's "
@@ -513,32 +544,33 @@ def wants_split_param(args, topo):
 
 
 def for_trainer(args, topo, named, local=lambda p: p, model=None):
-    """The Sharding of a run, or None when `sharding` is off or has one rank. Offload has no
-    separate host memory on a CPU build: warned once."""
+    """The Sharding of a run, or None when `sharding` is off or has one rank. Offload: see the
+    table above OFFLOAD_STAGE1; on a CPU build warned once (one memory)."""
     stage = stage_of(getattr(args, "sharding", ""))
     offload = "offload" in (getattr(args, "sharding", "") or "").split()
-    if offload and not paddle.is_compiled_with_cuda():
+    cuda = paddle.is_compiled_with_cuda()
+    if offload and not cuda:
         from ..runtime import warn_once
 
-        warn_once("sharding_offload", "sharding offload keeps optimizer state in host memory on a GPU; "
-                  "on this CPU build host and device memory are the same, so it changes nothing")
+        warn_once("sharding_offload", OFFLOAD_CPU)
     if stage == 0 or topo.sharding_degree <= 1:
         return None
     if stage >= 2 and topo.pp_degree > 1:
         from ..args import PP_STAGE23
 
         raise ValueError(PP_STAGE23.format(stage=stage))
-    fleet = on_fleet(stage, topo, model, offload)
+    fleet = on_fleet(stage, topo, model)
     if fleet and stage == 3:   # AMP O2's float32 masters of the slices are not in our checkpoints yet
         from ..runtime import amp_settings
 
         fleet = amp_settings(getattr(args, "fp16", False), getattr(args, "bf16", False),
                              getattr(args, "fp16_opt_level", "O1"))[2] != "O2"
-    if fleet and offload and paddle.is_compiled_with_cuda():
-        raise ValueError(OFFLOAD_STAGE1)
+    if offload and fleet and stage < 3 and cuda:   # (check_offload refused it before any work)
+        raise ValueError(offload_refusal(stage, topo.degrees))
     shard = Sharding(topo, stage, named, local, fleet=fleet)
     shard.split = fleet and stage == 1 and wants_split_param(args, topo)
-    shard.offload = offload and paddle.is_compiled_with_cuda()   # AdamW state in host memory
+    shard.paddle_offload = offload and fleet and stage == 3   # group_sharded_parallel(offload=True)
+    shard.offload = offload and cuda and not fleet   # the trainer's AdamW state in host memory
     if model is not None:
         shard.install_layerwise(model, dict(named))
     return shard
