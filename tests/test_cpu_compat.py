@@ -341,3 +341,54 @@ def test_split_param_shim_does_nothing_on_a_cuda_build(monkeypatch):
     before = dist.reduce_scatter
     assert cpu_compat.install_split_param() is False
     assert dist.reduce_scatter is before
+
+
+# ---------------------------------------------------------------- stage 3 offload (shim 8)
+
+def test_offload_shim_pins_paddles_host_device_copies():
+    """The three call sites shim 8 answers are still in paddle's stage 3 as it reads them: the
+    device copy through Tensor.to(DEV + ":" + id) in _cpu2device and _clear_gradients, and
+    _device2cpu's .cpu() followed by clearing its source."""
+    from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage3 as s3
+
+    flat = lambda f: "".join(inspect.getsource(f).split())   # noqa: E731 (paddle's line breaks vary)
+    assert 'param.fw_storage.to(DEV+":"+(str)(DEV_ID))' in flat(s3._cpu2device)
+    assert 'param.to(self._default_device+":"+(str)(DEV_ID))' in flat(s3.GroupShardedStage3._clear_gradients)
+    src = flat(s3._device2cpu)
+    assert "tmp_p=trans_param.cpu()trans_param._clear_data()returntmp_p" in src
+    assert "_cpu2device(param)" in flat(s3._allgather_buffer)   # (the gathers' caller, offload only)
+    assert "_device2cpu(param.fw_storage)" in flat(s3._release_param)
+    files = {f for f, _ in cpu_compat.GROUP_SHARDED_OFFLOAD | cpu_compat.GROUP_SHARDED_TO_HOST}
+    assert files == {s3.__file__.rsplit("/", 1)[-1]}
+    assert {n for _, n in cpu_compat.GROUP_SHARDED_OFFLOAD} == {"_cpu2device", "_clear_gradients"}
+    assert {n for _, n in cpu_compat.GROUP_SHARDED_TO_HOST} == {"_device2cpu"}
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the shim is CPU-only")
+def test_paddles_offload_copies_still_fail_on_cpu_and_the_shim_is_scoped():
+    """On a CPU build "cpu:0" is still not a device string paddle takes, and .cpu() of a host
+    tensor is still the tensor itself (so _device2cpu empties its own result); with shim 8 only
+    functions named like paddle's callers in a file named like its file get host copies."""
+    x = paddle.to_tensor([1.0, 2.0, 3.0])
+    assert cpu_compat.install_group_sharded() is True
+    with pytest.raises(ValueError, match="The device must be a string"):
+        x.to("cpu:0")   # any other caller: paddle's answer
+    assert x.cpu().data_ptr() == x.data_ptr()
+    gated = {}
+    exec(compile("def _cpu2device(x):\n    return x.to('cpu:0')\n"
+                 "def _device2cpu(x):\n    y = x.cpu()\n    x._clear_data()\n    return y\n",
+                 "/paddle/x/group_sharded_stage3.py", "exec"), gated)
+    y = gated["_cpu2device"](x)
+    assert y.data_ptr() != x.data_ptr() and y.numpy().tolist() == [1.0, 2.0, 3.0]
+    z = gated["_device2cpu"](y)
+    assert not y._is_initialized() and z.numpy().tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="The device must be a string"):   # another file, same name
+        exec(compile("def _cpu2device(x):\n    return x.to('cpu:0')\n", "/paddle/x/other.py", "exec"), gated)
+        gated["_cpu2device"](x)
+
+
+def test_offload_shim_does_nothing_on_a_cuda_build(monkeypatch):
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    before = (paddle.Tensor.to, paddle.Tensor.cpu)
+    assert cpu_compat.install_group_sharded() is False
+    assert (paddle.Tensor.to, paddle.Tensor.cpu) == before

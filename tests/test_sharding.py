@@ -402,8 +402,10 @@ def test_partition_stage_names_and_argument_checks(monkeypatch):
 
 def test_stage1_offload_is_refused_on_a_gpu_build_only(monkeypatch):
     """'stage1 offload' on fleet's stage 1: paddle's DygraphShardingOptimizer has
-    no offload, so a CUDA build stops in parallel.init naming the fix, under PP too; stage2 /
-    stage3 offload (this repository's host-memory AdamW) and a CPU build go on."""
+    no offload, so a CUDA build stops in parallel.init naming the fix, under PP too; stage3
+    offload (paddle's group_sharded offload) and a CPU build go on. 'stage2 offload' without TP
+    is refused on a CUDA build since issue 30 (tests/test_sharding_offload.py; was: accepted,
+    this repository's host-memory AdamW beside paddle's stage 2)."""
     import paddle
 
     from paddletune.parallel.sharding import check_offload
@@ -414,7 +416,9 @@ def test_stage1_offload_is_refused_on_a_gpu_build_only(monkeypatch):
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     with pytest.raises(ValueError, match="sharding 'stage1 offload'.*has no offload.*drop 'offload'"):
         check_offload(args("stage1 offload"), deg)
-    check_offload(args("stage2 offload"), deg)
+    with pytest.raises(ValueError, match="sharding 'stage2 offload'"):   # (deliberately changed, above)
+        check_offload(args("stage2 offload"), deg)
+    check_offload(args("stage3 offload"), deg)
     with pytest.raises(ValueError, match="has no offload"):   # (PP x stage 1 is fleet's too since
         check_offload(args("stage1 offload"), dict(deg, pp=2))   # issue 29; was: accepted)
     check_offload(args("stage1 offload"), dict(deg, sharding=1))

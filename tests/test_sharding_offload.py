@@ -115,3 +115,67 @@ def test_checkpoints_cross_offload(runs, name):
     _same(result, ref["single"], base / name, base / "single", first=2)
     if name == "plain_to_off":
         assert all(f["host_masters"] == f["trainable_slices"] > 0 for f in result["offload_facts"])
+
+
+def _build(monkeypatch, cuda, **kw):
+    """The arguments' check (before anything is loaded) on a 4-process job, CUDA or CPU build."""
+    import paddle
+
+    from paddletune import args as A
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "4")
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: cuda)
+    base = {"model_name_or_path": "m", "dataset_name_or_path": "d", "output_dir": "o"}
+    return A.build(dict(base, **kw), warn=lambda m: None)[-1]
+
+
+@pytest.mark.parametrize("value, layout, fix", [
+    ("stage1 offload", {}, "has no offload.*offload_opt_buffer_size.*drop 'offload'.*'stage3 offload'"),
+    ("stage1 offload", {"pipeline_parallel_degree": 2}, "has no offload"),
+    ("stage2 offload", {}, "float16 parameters \\(AMP O2\\) without a data-parallel group.*use 'stage3 offload'"),
+    ("stage2 offload", {"sharding_parallel_degree": 2}, "GroupShardedOptimizerStage2"),   # x DP2
+])
+def test_offload_without_a_paddle_path_is_one_error_line_on_cuda(monkeypatch, value, layout, fix):
+    """Where paddle's engine runs stage 1 / stage 2 it has no offload the trainer's update can
+    run on: a CUDA build stops at the arguments with one line naming the key, the value and the
+    fix; parallel.init's check (a Trainer built in Python) says the same."""
+    from paddletune.args import ArgumentError
+    from paddletune.parallel.sharding import check_offload, stage_of
+
+    with pytest.raises(ArgumentError, match=fix) as e:
+        _build(monkeypatch, True, sharding=value, **layout)
+    msg = str(e.value)
+    assert msg.startswith(f"arguments: 'sharding' '{value}': ") and "\n" not in msg, msg
+    args = type("A", (), {"sharding": value})
+    deg = {"dp": 1, "pp": layout.get("pipeline_parallel_degree", 1), "sharding": 2, "tp": 1}
+    with pytest.raises(ValueError, match=fix):
+        check_offload(args, deg)
+    assert stage_of(value) in (1, 2)
+
+
+@pytest.mark.parametrize("value, layout", [
+    ("stage3 offload", {}),                                  # paddle's stage 3 offload
+    ("stage3 offload", {"sharding_parallel_degree": 2}),     # x DP2 (paddle's stage 3 takes a dp group)
+    ("stage2 offload", {"tensor_parallel_degree": 2}),       # TP x stage 2: ours, AdamW state on the host
+    ("stage3 offload", {"tensor_parallel_degree": 2}),       # TP x stage 3: ours, likewise
+])
+def test_offload_with_a_path_is_accepted_on_cuda(monkeypatch, value, layout):
+    args = _build(monkeypatch, True, sharding=value, **layout)
+    assert args.sharding == value
+
+
+@pytest.mark.parametrize("value", ["stage1 offload", "stage2 offload", "stage3 offload"])
+def test_offload_on_a_cpu_build_is_accepted_and_warned(monkeypatch, value):
+    """A CPU build never refuses (host and device memory are one): warned once by the layout;
+    'stage3 offload' still runs paddle's offload path (the launch above)."""
+    from paddletune import runtime
+    from paddletune.parallel.sharding import for_trainer
+    from paddletune.parallel.topology import Topology
+
+    args = _build(monkeypatch, False, sharding=value)
+    logs = []
+    monkeypatch.setattr(runtime, "warn_once", lambda key, msg, *a: logs.append((key, msg)))
+    topo = Topology(world_size=2, degrees={"dp": 1, "pp": 1, "sharding": 2, "tp": 1})   # (no fleet here)
+    shard = for_trainer(args, topo, [])
+    assert logs == [("sharding_offload", logs[0][1])] and "host and device memory are the same" in logs[0][1]
+    assert shard is not None and not shard.offload and not shard.paddle_offload   # (ours without fleet)
