@@ -28,8 +28,9 @@ parallelism) are partitioned into S owners, whole tensors in model order, balanc
             gradient: gloo has no reduce_scatter, and reducing inside backward is not built)
     stage3  parameters as well. Without TP / PP this is paddle's group_sharded_parallel("p_g_os")
             (group_sharded.GroupShardedStage3: flat padded slices of every tensor above
-            segment_size, frozen ones included, gathered per layer by its hooks). Under TP
-            (and with AMP O2 or offload on a GPU) the code below runs it:
+            segment_size, frozen ones included, gathered per layer by its hooks; "stage3
+            offload": its offload=True, on every build). Under TP (and with AMP O2) the code
+            below runs it:
             between steps a rank holds only its own tensors' values (the
             others' storage is released). During a step the decoder blocks are gathered one at a
             time (`Layerwise`): a block's tensors are broadcast from their owners just before its

@@ -37,7 +37,8 @@ p -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps sqrt(1-b2^t)), the same update)
   16-bit parameter (created with the accumulators, so the parameters must already be 16-bit:
   decorate runs first) and updates it, then writes the 16-bit parameter from it; checkpoints
   carry the masters as "<name>.master" (a resume must not restart them from the rounded weights).
-- offload (sharding's "stage1 offload" on a GPU): paddle.optimizer.AdamW has no host-memory
+- offload (sharding's "stage2 / stage3 offload" on a GPU where this repository's sharding runs
+  them: TP, experts, AMP O2 under stage 3; parallel/sharding.py): paddle.optimizer.AdamW has no host-memory
   option for its moments, so paddle's optimizer here runs on float32 host copies of the
   parameters (a float16 / bfloat16 parameter's copy is its float32 master): per step the gradient
   goes to the host, the host copy is updated, and the parameter copied back. Written for GPUs,
