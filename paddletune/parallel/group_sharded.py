@@ -219,7 +219,14 @@ class GroupShardedStage3:
     them whole otherwise). Checkpoints: each tensor's slices all-gathered, whole tensors under
     full names written by the owner of our partition (pieces); a resume reads this rank's slice
     (read_local). QLoRA's quantized codes / scales are buffers: paddle never slices them (every
-    rank holds them whole)."""
+    rank holds them whole).
+
+    offload ("stage3 offload"): paddle keeps each slice in host memory and copies it to the device
+    for the gathers; a trainable slice gets a float32 host master (`master_weight`), the gradient
+    slices go to the host, and paddle's step runs the optimizer under device_guard("cpu") on
+    tensors sharing the masters' memory: the trainer's update (as above) then updates the masters,
+    and its AdamW moments are created on the host (wrap). A resume writes the slice and its master
+    (load_target). On a CPU build host = device (cpu_compat shim 8 lets paddle's copies run)."""
     sharding = True
     own_grads = True   # the step takes the slices' gradients itself (Parallel.step)
 
