@@ -41,7 +41,7 @@ def no_decay(name, param):
 class AdamW:
     """offload: the moments (and, for a float16 / bfloat16 parameter, its float32 master copy,
     made at the first step) live in host memory and the update runs there (sharding's
-    "stage1 offload" on a GPU): per tensor, the gradient is copied to the host, the host copy
+    "stage2 / stage3 offload" on a GPU where paddletune's own sharding runs): per tensor, the gradient is copied to the host, the host copy
     updated, and the parameter copied back. Written for GPUs, where it is untested; a CPU build
     has one memory, and the trainer does not turn it on there."""
 

@@ -6,7 +6,8 @@ offload=True) on every build, the trainer's update running on paddle's host slic
 stage 3 without it (the control: same communication, no host masters); each one's checkpoint-2
 resumed by the other. In this process: the reference (tests/tp_cases.py:train_case, one process,
 micro 4 x accumulation 2 = 2 ranks x micro 2 x accumulation 2) and the offload checkpoint-2
-resumed. Asserted: losses, gradient norms, eval and trained LoRA weights equal the reference at
+resumed. One launch of 4 ranks: DP2 x stage 3 with offload (paddle's stage 3 takes the dp
+group). Asserted: losses, gradient norms, eval and trained LoRA weights equal the reference at
 tests/test_sharding.py's tolerances; paddle's offload path is the one running (its wrapper's and
 the optimizer wrapper's offload flags; every trainable slice has a float32 master on the host and
 the tensor the trainer's AdamW updates shares that master's memory; the moments and the frozen
@@ -49,6 +50,9 @@ def runs(tmp_path_factory):
                                                                   out_dir=str(base / "plain_to_off"),
                                                                   resume=ckpt("plain")))]
     got = launch_cases(cases, base / "two", nproc=2, timeout=900)
+    got.update(launch_cases([("dp2_off", "sharding_cases:offload_case",
+                              dict(LORA, ckpt=ck, micro=1, sharding="stage3 offload", sharding_degree=2,
+                                   out_dir=str(base / "dp2_off")))], base / "four", nproc=4, timeout=900))
     ref = {"single": train_case(ck, str(base / "single"), micro=4, **LORA),
            "off_to_one": train_case(ck, str(base / "off_to_one"), micro=4, resume=ckpt("off"), **LORA)}
     return base, got, ref
@@ -88,6 +92,18 @@ def test_stage3_offload_runs_paddles_offload_and_equals_one_process(runs):
         held, whole, count = r["held"][-1]["frozen"]
         assert count > 0 and held < 0.6 * whole, r["held"][-1]["frozen"]
     _same(got["off"][0], single, base / "off", base / "single")
+
+
+def test_stage3_offload_with_data_parallel_equals_one_process(runs):
+    from test_sharding import ENGINE
+
+    base, got, ref = runs
+    for r in got["dp2_off"]:
+        assert r["losses"] == got["dp2_off"][0]["losses"] and r["optimizer_chain"] == ENGINE[3]
+        assert r["degrees"] == {"dp": 2, "pp": 1, "sharding": 2, "tp": 1}
+        assert all(f["optimizer_offload"] and f["update_on_master"] == f["trainable_slices"] > 0
+                   for f in r["offload_facts"])
+    _same(got["dp2_off"][0], ref["single"], base / "dp2_off", base / "single")
 
 
 def test_stage3_without_offload_is_the_control(runs):
