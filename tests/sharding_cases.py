@@ -44,6 +44,7 @@ def offload_case(ckpt, out_dir, **kw):
     def step(self, optimizer, named, grads, update):
         out = original(self, optimizer, named, grads, update)
         masters = {n: getattr(p, "master_weight", None) for n, p in self.sliced.items() if p.trainable}
+        whole = {n: getattr(optimizer.params[n], "master_weight", None) for n in self.whole}
         facts.append({
             "wrapper_offload": bool(self.model._offload), "optimizer_offload": bool(self.opt.offload),
             "trainable_slices": len(masters),
@@ -53,6 +54,11 @@ def offload_case(ckpt, out_dir, **kw):
                                     for n, m in masters.items()),
             "moments_on_host": all(t.place.is_cpu_place() for d in (optimizer.exp_avg, optimizer.exp_avg_sq)
                                    for t in d.values()),
+            # tensors paddle keeps whole (at most segment_size elements): the parameter itself is
+            # its host master during the step
+            "whole": len(whole),
+            "whole_on_master": sum(m is not None and optimizer.targets[n].data_ptr() == m.data_ptr()
+                                   for n, m in whole.items()),
             "frozen_slices_on_host": all(p.fw_storage.place.is_cpu_place() for p in self.sliced.values()
                                          if not p.trainable and getattr(p, "fw_storage", None) is not None)})
         return out

@@ -48,7 +48,11 @@ def runs(tmp_path_factory):
                                                           resume=ckpt("off"))),
              ("plain_to_off", "sharding_cases:offload_case", dict(kw, sharding="stage3 offload",
                                                                   out_dir=str(base / "plain_to_off"),
-                                                                  resume=ckpt("plain")))]
+                                                                  resume=ckpt("plain"))),
+             # the segment_size rule (S alignment units): LoRA's A / B (256 elements) stay whole,
+             # the frozen backbone is sliced; paddle's offload of whole tensors (host masters)
+             ("off_rule", "sharding_cases:offload_case", dict(kw, sharding="stage3 offload", segment_size=None,
+                                                              out_dir=str(base / "off_rule")))]
     got = launch_cases(cases, base / "two", nproc=2, timeout=900)
     got.update(launch_cases([("dp2_off", "sharding_cases:offload_case",
                               dict(LORA, ckpt=ck, micro=1, sharding="stage3 offload", sharding_degree=2,
@@ -104,6 +108,19 @@ def test_stage3_offload_with_data_parallel_equals_one_process(runs):
         assert all(f["optimizer_offload"] and f["update_on_master"] == f["trainable_slices"] > 0
                    for f in r["offload_facts"])
     _same(got["dp2_off"][0], ref["single"], base / "dp2_off", base / "single")
+
+
+def test_stage3_offload_of_whole_tensors_equals_one_process(runs):
+    """With the segment_size rule paddle keeps LoRA's small matrices whole (their gradients all-
+    reduced): under offload each is replaced by its float32 host master for the step, which the
+    trainer's AdamW updates; the frozen backbone is still sliced."""
+    base, got, ref = runs
+    for r in got["off_rule"]:
+        for f in r["offload_facts"]:
+            assert f["trainable_slices"] == 0 and f["whole"] > 0 and f["whole_on_master"] == f["whole"], f
+        held, whole, count = r["held"][-1]["frozen"]
+        assert held < 0.6 * whole
+    _same(got["off_rule"][0], ref["single"], base / "off_rule", base / "single")
 
 
 def test_stage3_without_offload_is_the_control(runs):

@@ -356,7 +356,9 @@ class GroupShardedStage3:
         offload also paddle's float32 host master of it (the tensor the update writes and the
         slice is reset to after each backward: created at wrap time, it would bring back the
         initial values)."""
-        target = p.fw_storage if name in self.sliced and not p._is_initialized() else p
+        if name in self.sliced and p._is_initialized():   # gathered (whole): no slice to write
+            return p
+        target = p.fw_storage if name in self.sliced else p
         master = getattr(p, "master_weight", None) if self.offload else None
         return target if master is None else _Both(target, master)
 
