@@ -467,7 +467,8 @@ class Layerwise:
 #     the trainer's AdamW keeps its state in host memory (trainer/optim.py offload); CPU: warned.
 OFFLOAD_STAGE1 = ("sharding 'stage1 offload': paddle's stage-1 sharding optimizer (fleet's "
                   "DygraphShardingOptimizer) has no offload, and DygraphShardingOptimizerV2's "
-                  "offload_opt_buffer_size moves paddle's own accumulators, not the trainer's AdamW state; "
+                  "offload_opt_buffer_size only marks slices (is_offload_opt) for an optimizer that moves "
+                  "its own state, which paddle's AdamW under the trainer's update does not; "
                   "drop 'offload' (the moments are already 1/S per rank) or use 'stage3 offload'")
 OFFLOAD_STAGE2 = ("sharding 'stage2 offload': paddle's stage-2 offload (GroupShardedOptimizerStage2) "
                   "runs only for float16 parameters (AMP O2) without a data-parallel group and steps "
