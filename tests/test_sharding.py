@@ -144,10 +144,10 @@ def _tensors(run_dir, kind="trained"):
     return out
 
 
-def _compare(got_ranks, single, run_dir, single_dir):
+def _compare(got_ranks, single, run_dir, single_dir, steps=5):
     r0 = got_ranks[0]
     assert all(r["losses"] == r0["losses"] for r in got_ranks)
-    assert len(r0["losses"]) == 5
+    assert len(r0["losses"]) == steps
     np.testing.assert_allclose(r0["losses"], single["losses"], rtol=1e-5)
     np.testing.assert_allclose(r0["grad_norms"], single["grad_norms"], rtol=1e-4)
     assert abs(r0["eval"]["loss"] - single["eval"]["loss"]) <= 1e-5 * abs(single["eval"]["loss"])
@@ -176,9 +176,10 @@ def _padded(x, total, count, S):
     return total / S <= x <= (total + count * (unit + S)) / S
 
 
-def _check_split(ranks, single, kw):
+def _check_split(ranks, single, kw, S_want=2):
     """Disjoint data per step; optimizer state / gradients / resident values ~1/S per rank;
-    the engine that runs the stage (fleet's sharding optimizer for stage 1)."""
+    the engine that runs the stage (fleet's sharding optimizer for stage 1). S_want: the
+    sharding degree the case must have; kw's `accum` (default 2): backward passes per step."""
     from paddletune.parallel.topology import coordinates
 
     stage = int(kw["sharding"].split()[0][-1])
@@ -197,7 +198,7 @@ def _check_split(ranks, single, kw):
     if want == ENGINE[2]:   # paddle's stage 2: during each backward (2 micro-batches a step) every
         # gradient goes to its owner by reduce, in float32 buckets (padded to paddle's alignment)
         for r in ranks:
-            wire, backwards = r["sharding_wire"], 2 * len(r["losses"])
+            wire, backwards = r["sharding_wire"], kw.get("accum", 2) * len(r["losses"])
             assert wire["reduce"]["calls"] % backwards == 0, wire
             assert wire["reduce"]["numel"] >= backwards * r["trainable_numel"], wire
             assert wire["reduce"]["dtypes"] == wire["broadcast"]["dtypes"] == ["float32"], wire
@@ -205,7 +206,7 @@ def _check_split(ranks, single, kw):
     if want == ENGINE[3]:   # paddle's stage 3: each layer's slices all-gathered around its forward
         # and backward, each full gradient all-reduced (x 1/S) during every backward; float32
         for r in ranks:
-            wire, backwards = r["sharding_wire"], 2 * len(r["losses"])
+            wire, backwards = r["sharding_wire"], kw.get("accum", 2) * len(r["losses"])
             assert "reduce" not in wire, wire
             assert wire["all_reduce"]["numel"] >= backwards * r["trainable_numel"], wire
             assert wire["all_gather"]["numel"] >= backwards * r["trainable_numel"], wire
@@ -216,13 +217,14 @@ def _check_split(ranks, single, kw):
     groups = {}   # ranks that differ in the sharding coordinate only
     for i, c in enumerate(coords):
         groups.setdefault((c["dp"], c["pp"], c["tp"]), []).append(i)
-    assert S == 2 and all(len(g) == S for g in groups.values())
+    assert S == S_want and all(len(g) == S for g in groups.values())
     for step, held in enumerate(zip(*[r["held"] for r in ranks])):
         ids = {}
         for d, h in zip(data, held):   # TP / PP peers of a data rank read the same batch
             assert ids.setdefault(d, h["ids"]) == h["ids"]
         shares = [set(v) for v in ids.values()]
-        assert sum(len(s) for s in shares) == len(set().union(*shares)) == 8   # disjoint, the global batch
+        batch = len(single["held"][step]["ids"])   # the global batch (8 for the cases here)
+        assert sum(len(s) for s in shares) == len(set().union(*shares)) == batch   # disjoint
         assert set().union(*shares) == set(single["held"][step]["ids"])
         for group in groups.values():
             total = ranks[group[0]]["trainable_numel"]   # local numel (TP slices, the PP stage's)
