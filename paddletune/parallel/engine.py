@@ -175,9 +175,10 @@ def finish(code=0, timeout=120.0, leave=True):
     at nearly the same time (their last collective releases them together) and load stretches
     each teardown. Seen (2026-12-03, load 14-27): 2 of 7 full tests/test_sharding.py runs failed
     after every case had written its results, one worker dying of SIGABRT in paddle's TCPStore
-    daemon, one of SIGSEGV; the launcher then fails the job. Not reproduced since (33 4-rank and
-    2-rank launches of sharding / TP / PP cases and probes, some under load or with workers paused
-    at random): the mechanism above is read from paddle's sources, not observed.
+    daemon, one of SIGSEGV; the launcher then fails the job. Not reproduced since (2026-12-04: 49
+    launches without this end, 15 of them of sharding / TP / PP cases on 2 and 4 ranks at load
+    5-48, 34 small probes with ranks leaving up to 3 s apart or paused at random in their exit):
+    the mechanism above is read from paddle's sources, not observed.
 
     What it does, in order:
       1. a barrier over the world group: no rank is still inside a collective a peer could break;
