@@ -208,7 +208,7 @@ def finish(code=0, timeout=120.0, leave=True):
         passed = True
     except RuntimeError:   # a peer is gone (it failed, or left without finish): nothing to order
         passed = False
-    store = collective._default_store
+    store = getattr(collective, "_default_store", None)   # the job's store (init_parallel_env)
     if passed and store is not None:
         _handshake(store, len(_finishes), world, rank, timeout)
     if not leave:
