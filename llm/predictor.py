@@ -389,4 +389,4 @@ def main(argv=None, stdin=None, stdout=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.finish(main())

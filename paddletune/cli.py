@@ -3,7 +3,7 @@
     @cli.entry
     def main(argv=None): ...          # may raise; returns the exit code otherwise
     if __name__ == "__main__":
-        sys.exit(main())
+        cli.finish(main())            # sys.exit, in order under paddle.distributed.launch
 
 Whatever main raises on the way (argument checks, loading a checkpoint, reading data, resuming,
 saving) is one of:
@@ -79,6 +79,21 @@ def _release():
         outdir.release_all()
     except OSError:
         pass
+
+
+def finish(code):
+    """The end of a script run as a program: sys.exit(code), except in a launched rank whose
+    process group is up and whose main returned 0, which ends through parallel.engine.finish (a
+    world barrier, a handshake that keeps the store servers up until every rank has passed it,
+    then os._exit: engine.finish says why an ordinary exit can crash a rank after a successful
+    run). Not in main itself: tests call several mains in one launched process."""
+    if code in (0, None):
+        from .parallel import engine
+
+        if engine.running():
+            stopping.install()   # a stop while waiting for the others still says which rank failed
+            engine.finish(0)     # does not return
+    sys.exit(code)
 
 
 def entry(main):

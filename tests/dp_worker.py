@@ -92,6 +92,9 @@ def main():
     resume = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     save_steps = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     train_case(ckpt_dir, out_dir, micro, accum, steps, resume, save_steps)
+    from paddletune import parallel
+
+    parallel.finish(0)   # the ordered end of a launched run (engine.finish); alone: returns
 
 
 if __name__ == "__main__":

@@ -12,13 +12,18 @@ batch, and gradients are summed over the data-parallel group (gloo on CPU, NCCL 
 Tensor / pipeline / sharding degrees are computed here under PaddleNLP's rules (their layouts:
 tensor.py, pipeline.py, sharding.py). expert_parallel_degree carves expert groups out of the data
 ranks (topology.py "ep" / "ep_data" groups; the MoE layout itself: expert.py).
+
+A launched run ends with `finish(code)` (engine.py: a world barrier, a handshake on the job's
+store, os._exit; cli.finish calls it at the end of the llm/ scripts): an ordinary exit can crash
+a rank after a successful run while its peers exit.
 """
 import os
 
+from .engine import finish
 from .topology import (AXES, Topology, TopologyError, coordinates, create_groups, degrees_from_args,
                        expert_degree_from_args, group_ranks)
 
-__all__ = ["init", "single", "Topology", "TopologyError", "degrees_from_args", "world_from_env"]
+__all__ = ["init", "finish", "single", "Topology", "TopologyError", "degrees_from_args", "world_from_env"]
 
 
 def world_from_env():

@@ -29,6 +29,8 @@ ours, through the same create_groups path.
 import contextlib
 import logging
 import os
+import sys
+import time
 
 FLEET_AXES = {"dp": "get_data_parallel_group", "pp": "get_pipe_parallel_group",
               "sharding": "get_sharding_parallel_group", "tp": "get_model_parallel_group"}
@@ -137,3 +139,103 @@ def check_groups(hcg, rank, degrees):
         if 1 < len(ours) < world:
             groups[axis] = group
     return groups
+
+
+FINISH_KEY = "paddletune/finish/{}/{}"   # (call number in this process, phase) on the job's store
+_finishes = []   # one entry per finish() of this process: each gets its own store keys
+
+
+def running():
+    """Whether this is a launched rank (PADDLE_TRAINERS_NUM > 1) whose process group is up."""
+    try:
+        world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    except ValueError:
+        return False
+    if world <= 1 or "paddle" not in sys.modules:   # (never imports paddle itself)
+        return False
+    import paddle.distributed as dist
+
+    return dist.is_initialized()
+
+
+def finish(code=0, timeout=120.0, leave=True):
+    """The ordered end of a launched run: every rank calls it once, after its last collective;
+    it leaves the process with os._exit(code) (leave=False: returns, for tests). Does nothing
+    (returns) when the process group was never started (one process, or a rank that failed
+    before parallel.init).
+
+    Why. Every launched process hosts servers its peers are connected to: rank 0 the job's
+    TCPStore, the first rank of each non-global gloo group that group's store (cpu_compat.py,
+    shims 1 and 4), every rank the sockets of gloo's pairs. paddle keeps them in process-wide C++
+    objects (each gloo group's GlooCommContext in CommContextManager, created by
+    ProcessGroupGloo::CreateProcessGroupGloo with the group's store; the job's store), so an
+    ordinary exit destroys them in static destructors, after Python is gone, while their
+    background threads (gloo's device loop, the store's libuv daemon) still serve sockets. A peer
+    that exits at that moment closes its sockets into a process that is half torn down. Ranks end
+    at nearly the same time (their last collective releases them together) and load stretches
+    each teardown. Seen (2026-12-03, load 14-27): 2 of 7 full tests/test_sharding.py runs failed
+    after every case had written its results, one worker dying of SIGABRT in paddle's TCPStore
+    daemon, one of SIGSEGV; the launcher then fails the job. Not reproduced since (2026-12-04: 49
+    launches without this end, 15 of them of sharding / TP / PP cases on 2 and 4 ranks at load
+    5-48, 34 small probes with ranks leaving up to 3 s apart or paused at random in their exit):
+    the mechanism above is read from paddle's sources, not observed.
+
+    What it does, in order:
+      1. a barrier over the world group: no rank is still inside a collective a peer could break;
+      2. a two-phase handshake on the job's TCPStore (hosted by rank 0): each rank adds itself to
+         "passed", waits until all have, then adds itself to "left" and never touches a store
+         again; rank 0 waits until all have left. So the store servers live until every rank
+         has passed the barrier and read the count (a rank still polling never meets a closed
+         server);
+      3. stdout, stderr and logging handlers are flushed, and the process leaves with
+         os._exit(code): no destructor of paddle's communication objects runs, so there is
+         nothing for a peer's exit to race with (the kernel closes every socket at once; a peer's
+         threads see an ordinary end of connection while its own state is intact).
+    Every file the run writes is closed before this (checkpoints are renamed into place); the
+    output_dir lock is released by the caller (cli.finish, after cli.entry's own release).
+    A barrier or store that fails (a peer gone) or a wait past `timeout` seconds (a rank that
+    hung) skips to step 3: the launcher reports such a job by the failed rank's code."""
+    if not running():
+        return
+    import paddle.distributed as dist
+    from paddle.distributed import collective
+
+    world = int(os.environ["PADDLE_TRAINERS_NUM"])
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    _finishes.append(rank)
+    try:
+        dist.barrier()
+        passed = True
+    except RuntimeError:   # a peer is gone (it failed, or left without finish): nothing to order
+        passed = False
+    store = getattr(collective, "_default_store", None)   # the job's store (init_parallel_env)
+    if passed and store is not None:
+        _handshake(store, len(_finishes), world, rank, timeout)
+    if not leave:
+        return
+    _flush()
+    os._exit(code)
+
+
+def _handshake(store, call, world, rank, timeout):
+    """Step 2 of finish: "passed" by all, then "left" by all, the host (rank 0) waiting last."""
+    passed, left = FINISH_KEY.format(call, "passed"), FINISH_KEY.format(call, "left")
+    deadline = time.monotonic() + timeout
+    try:
+        store.add(passed, 1)
+        while store.add(passed, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+        store.add(left, 1)
+        while rank == 0 and store.add(left, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RuntimeError:   # the host is gone (it failed): nothing left to wait for
+        pass
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    logging.shutdown()

@@ -127,4 +127,4 @@ def main(argv=None, kind="dpo"):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.finish(main())

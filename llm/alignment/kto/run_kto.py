@@ -22,4 +22,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from paddletune import cli   # importable now: run_dpo.py put the checkout on sys.path
+    cli.finish(code)
