@@ -47,7 +47,8 @@ The gradient norm for clipping is the global one: stage1 has every gradient on e
 stage2 each owner's squared norm is summed over the sharding group (`square_norm`).
 
 Stage 1 (with or without TP / PP) and (without TP / PP) stages 2 and 3 are paddle's (above); TP x
-stage 2/3 are still this module's; PP x stage 2 / 3 is refused (fleet has no pipeline path for
+stage 2/3 are still this module's (paddle's group_sharded takes plain parameters; ours under TP are
+DTensors: forced through it, TP2 x stage 2 trained on zero gradients and TP2 x stage 3 segfaulted at wrap); PP x stage 2 / 3 is refused (fleet has no pipeline path for
 them). Why not paddle's dist.shard_optimizer: it shards paddle's optimizer accumulators through DTensor
 placements on a sharding mesh axis; paddletune's AdamW keeps its state under full-model names for
 layout-independent checkpoints and runs paddle's fused adamw_ kernel on local shards, and gloo has
